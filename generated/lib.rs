@@ -1,0 +1,1 @@
+//! placeholder until thin-codegen writes the index
