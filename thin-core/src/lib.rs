@@ -2,7 +2,17 @@
 //! tokenizer, sampler, CPU reference ops and (behind `cuda`) the CUDA runtime.
 
 pub mod arch;
+pub mod convert;
+pub mod cpu;
 pub mod dtype;
+pub mod engine;
+pub mod format;
+pub mod gguf;
 pub mod manifest;
+pub mod names;
 pub mod quant;
 pub mod role;
+pub mod safetensors_dir;
+pub mod sampler;
+pub mod source;
+pub mod tokenizer;

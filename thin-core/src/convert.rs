@@ -1,0 +1,1 @@
+//! `thin convert`: source model -> quantization plan -> folded, re-laid-out tensors -> `.thin` archive.

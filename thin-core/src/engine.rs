@@ -1,0 +1,1 @@
+//! The engine interface generated engines implement, and the weights view they read.

@@ -1,0 +1,1 @@
+//! GGUF v2/v3 reader: metadata, tensor infos, block dequantization, tokenizer and arch config from metadata.

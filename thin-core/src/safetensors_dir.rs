@@ -1,0 +1,1 @@
+//! Hugging Face safetensors directory importer: config.json, (sharded) *.safetensors, tokenizer files.

@@ -1,0 +1,1 @@
+//! Tokenizer wrapper (HF tokenizers) and chat-template rendering (minijinja).
