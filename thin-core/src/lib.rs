@@ -2,6 +2,7 @@
 //! tokenizer, sampler, CPU reference ops and (behind `cuda`) the CUDA runtime.
 
 pub mod arch;
+pub mod codec;
 pub mod convert;
 pub mod cpu;
 pub mod dtype;
