@@ -1,1 +1,183 @@
-//! Tokenizer wrapper (HF tokenizers) and chat-template rendering (minijinja).
+//! Tokenizer wrapper (HF `tokenizers`) with BOS handling, streaming detokenization, and chat-template
+//! rendering (minijinja, with Python string methods as HF templates use them).
+
+use crate::manifest::TokenizerInfo;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("tokenizer.json in the archive does not load: {0}")]
+    Load(String),
+    #[error("encoding the prompt failed: {0}")]
+    Encode(String),
+    #[error("decoding tokens failed: {0}")]
+    Decode(String),
+    #[error("the archive has no chat template (needed for --chat)")]
+    NoChatTemplate,
+    #[error("chat template: {0}")]
+    Template(String),
+}
+
+/// One chat message as HF templates expect it (`{"role": ..., "content": ...}`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+    bos_token_id: Option<u32>,
+    eos_token_ids: Vec<u32>,
+    add_bos: bool,
+    chat_template: Option<String>,
+}
+
+impl TextTokenizer {
+    pub fn from_info(info: &TokenizerInfo) -> Result<Self, TokenizerError> {
+        let inner: tokenizers::Tokenizer =
+            info.tokenizer_json.parse().map_err(|e: tokenizers::Error| TokenizerError::Load(e.to_string()))?;
+        Ok(TextTokenizer {
+            inner,
+            bos_token_id: info.bos_token_id,
+            eos_token_ids: info.eos_token_ids.clone(),
+            add_bos: info.add_bos,
+            chat_template: info.chat_template.clone(),
+        })
+    }
+
+    /// Ids of `text`; the tokenizer's own post-processor runs, and BOS is prepended when the archive
+    /// asks for it and the post-processor did not already add it.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let enc = self.inner.encode(text, true).map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        let mut ids = enc.get_ids().to_vec();
+        if let (true, Some(bos)) = (self.add_bos, self.bos_token_id) {
+            if ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+        }
+        Ok(ids)
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        self.inner.decode(ids, false).map_err(|e| TokenizerError::Decode(e.to_string()))
+    }
+
+    pub fn is_eos(&self, id: u32) -> bool {
+        self.eos_token_ids.contains(&id)
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    fn token_text(&self, id: Option<u32>) -> String {
+        id.and_then(|i| self.inner.id_to_token(i)).unwrap_or_default()
+    }
+
+    /// Renders the archive's chat template with `add_generation_prompt = true`.
+    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, TokenizerError> {
+        let template = self.chat_template.as_deref().ok_or(TokenizerError::NoChatTemplate)?;
+        let mut env = minijinja::Environment::new();
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        });
+        env.add_template("chat", template).map_err(|e| TokenizerError::Template(e.to_string()))?;
+        let tmpl = env.get_template("chat").map_err(|e| TokenizerError::Template(e.to_string()))?;
+        let eos = self.token_text(self.eos_token_ids.first().copied());
+        tmpl.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => true,
+            bos_token => self.token_text(self.bos_token_id),
+            eos_token => eos,
+        })
+        .map_err(|e| TokenizerError::Template(e.to_string()))
+    }
+
+    pub fn stream(&self) -> TokenStream<'_> {
+        TokenStream { tok: self, ids: Vec::new(), prefix_offset: 0, read_offset: 0 }
+    }
+}
+
+/// Incremental detokenization: text is emitted only once it is complete (no half UTF-8 sequence),
+/// and each step decodes only a short window, so streaming stays O(1) per token.
+pub struct TokenStream<'a> {
+    tok: &'a TextTokenizer,
+    ids: Vec<u32>,
+    prefix_offset: usize,
+    read_offset: usize,
+}
+
+impl TokenStream<'_> {
+    /// Adds one token and returns the text it completes (possibly empty).
+    pub fn push(&mut self, id: u32) -> Result<String, TokenizerError> {
+        self.ids.push(id);
+        let prefix = self.tok.decode(&self.ids[self.prefix_offset..self.read_offset])?;
+        let full = self.tok.decode(&self.ids[self.prefix_offset..])?;
+        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') {
+            let new = full.get(prefix.len()..).unwrap_or_default().to_string();
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+            Ok(new)
+        } else {
+            Ok(String::new())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tiny fixtures' tokenizer: byte-level BPE over the 256 byte symbols, no merges.
+    fn byte_level_info(template: Option<&str>) -> TokenizerInfo {
+        let json = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/tiny/llama-tiny/tokenizer.json"))
+            .expect("fixture tokenizer");
+        TokenizerInfo {
+            tokenizer_json: json,
+            chat_template: template.map(str::to_string),
+            bos_token_id: Some(1),
+            eos_token_ids: vec![2],
+            add_bos: true,
+        }
+    }
+
+    #[test]
+    fn encode_prepends_bos_once_and_round_trips() {
+        let t = TextTokenizer::from_info(&byte_level_info(None)).unwrap();
+        let ids = t.encode("héllo").unwrap();
+        assert_eq!(ids[0], 1);
+        assert_eq!(ids.len(), 1 + "héllo".len()); // one token per byte, no merges
+        assert!(t.decode(&ids[1..]).unwrap() == "héllo");
+        assert!(t.is_eos(2) && !t.is_eos(1));
+    }
+
+    #[test]
+    fn stream_emits_whole_characters_only() {
+        let t = TextTokenizer::from_info(&byte_level_info(None)).unwrap();
+        let ids = t.encode("aé€b").unwrap();
+        let mut s = t.stream();
+        let pieces: Vec<String> = ids[1..].iter().map(|&i| s.push(i).unwrap()).collect();
+        assert_eq!(pieces.concat(), "aé€b");
+        // 'é' is two bytes: its first byte emits nothing, its second emits the character.
+        assert_eq!(pieces[1], "");
+        assert_eq!(pieces[2], "é");
+    }
+
+    #[test]
+    fn chat_template_renders_with_python_methods() {
+        let tpl = "{% for m in messages %}<|{{ m.role }}|>{{ m.content.strip() }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
+        let t = TextTokenizer::from_info(&byte_level_info(Some(tpl))).unwrap();
+        let out = t.render_chat(&[ChatMessage { role: "user".into(), content: "  hi ".into() }]).unwrap();
+        assert_eq!(out, "<|user|>hi\n<|assistant|>");
+        let none = TextTokenizer::from_info(&byte_level_info(None)).unwrap();
+        assert!(matches!(none.render_chat(&[]), Err(TokenizerError::NoChatTemplate)));
+    }
+
+    #[test]
+    fn bad_tokenizer_json_is_a_typed_error() {
+        let mut info = byte_level_info(None);
+        info.tokenizer_json = "{not json".into();
+        assert!(matches!(TextTokenizer::from_info(&info), Err(TokenizerError::Load(_))));
+    }
+}
