@@ -761,19 +761,6 @@ pub fn validate_manifest(m: &Manifest, pages: &[PageEntry]) -> Result<(), Format
             *o = Some(t.name.as_str());
         }
     }
-    if let Some(i) = owner.iter().position(|o| o.is_none()) {
-        return Err(FormatError::OrphanPage { page: i as u64 });
-    }
-    let v = &m.validation;
-    if v.tensor_count != m.tensors.len() as u64 {
-        return Err(FormatError::Validation(format!("tensor_count {} but {} tensors", v.tensor_count, m.tensors.len())));
-    }
-    if v.parameter_count != params {
-        return Err(FormatError::Validation(format!("parameter_count {} but the shapes give {params}", v.parameter_count)));
-    }
-    if v.tensor_blake3.len() != m.tensors.len() || !m.tensors.iter().all(|t| v.tensor_blake3.contains_key(&t.name)) {
-        return Err(FormatError::Validation("tensor_blake3 does not list exactly the archive's tensors".into()));
-    }
     let need = |role: Role, layer: Option<u32>| -> Result<(), FormatError> {
         if by_role.contains_key(&(role, layer)) {
             Ok(())
@@ -794,6 +781,19 @@ pub fn validate_manifest(m: &Manifest, pages: &[PageEntry]) -> Result<(), Format
             need(r, Some(layer))?;
         }
         l += 1;
+    }
+    if let Some(i) = owner.iter().position(|o| o.is_none()) {
+        return Err(FormatError::OrphanPage { page: i as u64 });
+    }
+    let v = &m.validation;
+    if v.tensor_count != m.tensors.len() as u64 {
+        return Err(FormatError::Validation(format!("tensor_count {} but {} tensors", v.tensor_count, m.tensors.len())));
+    }
+    if v.parameter_count != params {
+        return Err(FormatError::Validation(format!("parameter_count {} but the shapes give {params}", v.parameter_count)));
+    }
+    if v.tensor_blake3.len() != m.tensors.len() || !m.tensors.iter().all(|t| v.tensor_blake3.contains_key(&t.name)) {
+        return Err(FormatError::Validation("tensor_blake3 does not list exactly the archive's tensors".into()));
     }
     Ok(())
 }
