@@ -91,6 +91,8 @@ pub enum FormatError {
     PageSize { page: u64, stored: u64, raw: u64 },
     #[error("page {page} belongs to no tensor")]
     OrphanPage { page: u64 },
+    #[error("padding byte at offset {offset} is not zero")]
+    NonZeroPadding { offset: u64 },
     #[error("archive hash mismatch (manifest or page table corrupted)")]
     ArchiveHash,
     #[error("page {page} checksum mismatch (tensor {tensor})")]
@@ -688,6 +690,20 @@ impl Archive {
         });
         if let Some(t) = bad_tensor {
             return Err(FormatError::TensorChecksum { tensor: t.name.clone() });
+        }
+        // Bytes no hash covers (header padding, page tails, gap before the page table) must be zero.
+        let mut spans: Vec<(u64, u64)> = self.pages.iter().map(|p| (p.offset, p.offset.saturating_add(p.stored_size))).collect();
+        spans.sort_unstable();
+        let mut cursor = HEADER_LEN as u64;
+        let gap_end = self.header.page_table_off;
+        for (s, e) in spans.into_iter().chain(std::iter::once((gap_end, gap_end))) {
+            if s > cursor {
+                let gap = self.mmap.get(cursor as usize..s as usize).unwrap_or(&[]);
+                if let Some(k) = gap.iter().position(|&b| b != 0) {
+                    return Err(FormatError::NonZeroPadding { offset: cursor + k as u64 });
+                }
+            }
+            cursor = cursor.max(e);
         }
         let mut bytes: u64 = 0;
         for p in &self.pages {

@@ -500,3 +500,19 @@ fn tensor_bytes_rejects_foreign_entry() {
     t.byte_len = u64::MAX;
     assert!(a.tensor_bytes(&t).is_err());
 }
+
+#[test]
+fn nonzero_padding_fails_verify() {
+    let b = base();
+    let mut v = b.bytes.clone();
+    v[200] = 1; // header padding
+    let a = b.open(&v).unwrap();
+    assert!(matches!(a.verify(), Err(FormatError::NonZeroPadding { offset: 200 })));
+    drop(a);
+    let mut v = b.bytes.clone();
+    let pt = b.header().page_table_off as usize;
+    v[pt - 1] = 9; // tail of the last page's 4 KiB slot / gap before the page table
+    let a = b.open(&v).unwrap();
+    let e = a.verify().err().unwrap();
+    assert!(matches!(e, FormatError::NonZeroPadding { .. } | FormatError::PageChecksum { .. }), "{e:?}");
+}
