@@ -460,7 +460,10 @@ pub struct VerifyReport {
 }
 
 /// Checks the header's section offsets against the file length; returns (page table range, manifest range).
-fn check_layout(h: &Header, file_len: u64) -> Result<((u64, u64), (u64, u64)), FormatError> {
+/// `(start, end)` byte range in the file.
+type Span = (u64, u64);
+
+fn check_layout(h: &Header, file_len: u64) -> Result<(Span, Span), FormatError> {
     if h.manifest_len > MAX_MANIFEST_LEN {
         return Err(FormatError::TooLarge { field: "manifest_len", value: h.manifest_len, max: MAX_MANIFEST_LEN });
     }
