@@ -1,0 +1,156 @@
+//! Mutation fuzzing of a small valid archive: byte flips, truncations, extensions, and flips with
+//! the archive hash recomputed (so the page-table and manifest validators see the damage).
+//! `Archive::open` (+ `verify` when it opens) must return Ok or Err, never panic.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+
+use thin_core::format::testkit::{rebuild, split, write_tiny};
+use thin_core::format::{Archive, Header, HEADER_LEN};
+
+/// splitmix64: tiny, seeded, good enough for fuzzing.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        if n == 0 {
+            0
+        } else {
+            self.next() % n
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Flip,
+    Truncate,
+    Extend,
+    /// Flip inside page table or manifest, then recompute the archive hash.
+    FlipRehash,
+}
+
+const SEED: u64 = 0x7417_7e45_0000_0001;
+const CASES_PER_KIND: u64 = 3000;
+
+fn flip(rng: &mut Rng, v: &mut [u8], meta_ranges: &[(usize, usize)]) {
+    let n = 1 + rng.below(8);
+    for _ in 0..n {
+        let pos = if rng.below(2) == 0 {
+            // biased: header, page table or manifest
+            let (s, e) = meta_ranges[rng.below(meta_ranges.len() as u64) as usize];
+            s + rng.below((e - s) as u64) as usize
+        } else {
+            rng.below(v.len() as u64) as usize
+        };
+        let bit = rng.next() as u8;
+        v[pos] ^= if bit == 0 { 1 } else { bit };
+    }
+}
+
+fn mutate(kind: Kind, rng: &mut Rng, base: &[u8], header: &Header) -> Vec<u8> {
+    let pt = header.page_table_off as usize;
+    let mo = header.manifest_off as usize;
+    let meta = [(0usize, HEADER_LEN as usize), (pt, mo), (mo, base.len())];
+    match kind {
+        Kind::Flip => {
+            let mut v = base.to_vec();
+            flip(rng, &mut v, &meta);
+            v
+        }
+        Kind::Truncate => {
+            let len = if rng.below(2) == 0 {
+                rng.below(base.len() as u64) as usize
+            } else {
+                // near the metadata
+                let (s, e) = meta[rng.below(3) as usize];
+                (s + rng.below((e - s) as u64) as usize).min(base.len() - 1)
+            };
+            base[..len].to_vec()
+        }
+        Kind::Extend => {
+            let mut v = base.to_vec();
+            let cap = if rng.below(2) == 0 { 16 } else { 8192 };
+            let extra = 1 + rng.below(cap);
+            for _ in 0..extra {
+                v.push(rng.next() as u8);
+            }
+            v
+        }
+        Kind::FlipRehash => {
+            let parts = split(base);
+            let mut pt_bytes = base[pt..mo].to_vec();
+            let mut m_bytes = base[mo..].to_vec();
+            let n = 1 + rng.below(8);
+            for _ in 0..n {
+                let target = if rng.below(2) == 0 { &mut pt_bytes } else { &mut m_bytes };
+                let pos = rng.below(target.len() as u64) as usize;
+                let bit = rng.next() as u8;
+                target[pos] ^= if bit == 0 { 1 } else { bit };
+            }
+            let pages: Vec<_> = pt_bytes
+                .chunks_exact(64)
+                .map(|c| thin_core::format::PageEntry::parse(c).unwrap())
+                .collect();
+            rebuild(base, &parts.header, &pages, &m_bytes)
+        }
+    }
+}
+
+fn check(path: &Path) -> Result<bool, String> {
+    match Archive::open(path) {
+        Ok(a) => match a.verify() {
+            Ok(_) => Ok(true),
+            Err(e) => {
+                let _ = e.to_string();
+                Ok(false)
+            }
+        },
+        Err(e) => {
+            let _ = e.to_string();
+            Ok(false)
+        }
+    }
+}
+
+#[test]
+fn mutations_never_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    let base_path = dir.path().join("base.thin");
+    write_tiny(&base_path, 1, true, None).unwrap();
+    let base = std::fs::read(&base_path).unwrap();
+    let header = Header::parse(&base).unwrap();
+    assert!(base.len() < 40 << 10, "base archive is {} bytes", base.len());
+    let case_path = dir.path().join("case.thin");
+    let t0 = std::time::Instant::now();
+    let mut panics = Vec::new();
+    let mut opened = [0u64; 4];
+    let mut total = 0u64;
+    for (ki, kind) in [Kind::Flip, Kind::Truncate, Kind::Extend, Kind::FlipRehash].into_iter().enumerate() {
+        for case in 0..CASES_PER_KIND {
+            let case_seed = SEED ^ ((ki as u64) << 56) ^ case.wrapping_mul(0x1000_0000_01B3);
+            let mut rng = Rng(case_seed);
+            let bytes = mutate(kind, &mut rng, &base, &header);
+            std::fs::write(&case_path, &bytes).unwrap();
+            total += 1;
+            match catch_unwind(AssertUnwindSafe(|| check(&case_path))) {
+                Ok(Ok(true)) => opened[ki] += 1,
+                Ok(_) => {}
+                Err(_) => panics.push(format!("{kind:?} case {case} seed {case_seed:#x}")),
+            }
+        }
+    }
+    eprintln!(
+        "{total} mutation cases in {:?}; verified ok per kind (flip, truncate, extend, flip+rehash): {opened:?}",
+        t0.elapsed()
+    );
+    assert!(total >= 10_000);
+    assert!(panics.is_empty(), "{} panics: {:?}", panics.len(), &panics[..panics.len().min(20)]);
+}
