@@ -670,18 +670,25 @@ impl Archive {
         let owner_name = |i: usize| -> String {
             owner.get(i).copied().flatten().map_or_else(|| "<none>".to_string(), |ti| self.manifest.tensors[ti].name.clone())
         };
-        let bad = self.pages.par_iter().enumerate().find_first(|(_, p)| {
+        let page_bad = |p: &PageEntry| -> bool {
             let start = p.offset as usize;
             let Some(end) = start.checked_add(p.stored_size as usize) else { return true };
             match self.mmap.get(start..end) {
                 Some(b) => blake3::hash(b).as_bytes() != &p.blake3,
                 None => true,
             }
-        });
+        };
+        // Small archives: threads cost more than they save.
+        let parallel = self.file_len >= 8 << 20;
+        let bad = if parallel {
+            self.pages.par_iter().enumerate().find_first(|(_, p)| page_bad(p))
+        } else {
+            self.pages.iter().enumerate().find(|(_, p)| page_bad(p))
+        };
         if let Some((i, _)) = bad {
             return Err(FormatError::PageChecksum { page: i as u64, tensor: owner_name(i) });
         }
-        let bad_tensor = self.manifest.tensors.par_iter().find_first(|t| {
+        let tensor_bad = |t: &&TensorEntry| -> bool {
             let Ok(b) = self.tensor_bytes(t) else { return true };
             let mut h = blake3::Hasher::new();
             if b.len() >= 1 << 20 {
@@ -690,7 +697,12 @@ impl Archive {
                 h.update(b);
             }
             self.manifest.validation.tensor_blake3.get(&t.name).map(|s| s.as_str()) != Some(h.finalize().to_hex().as_str())
-        });
+        };
+        let bad_tensor = if parallel {
+            self.manifest.tensors.par_iter().find_first(|t| tensor_bad(t))
+        } else {
+            self.manifest.tensors.iter().find(|t| tensor_bad(t))
+        };
         if let Some(t) = bad_tensor {
             return Err(FormatError::TensorChecksum { tensor: t.name.clone() });
         }

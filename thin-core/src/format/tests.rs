@@ -138,3 +138,32 @@ fn open_1000_tensors_is_fast() {
     eprintln!("open of 1000-tensor archive: {dt:?}");
     assert!(dt < std::time::Duration::from_millis(if cfg!(debug_assertions) { 200 } else { 50 }), "{dt:?}");
 }
+
+#[test]
+fn empty_tensor_and_bad_manifest_at_finish() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("m.thin");
+    let arch = tiny_arch(1, true);
+    let mut w = ArchiveWriter::create(&p).unwrap();
+    for (i, e) in tiny_entries(&arch).into_iter().enumerate() {
+        let b = tensor_bytes(&e, i as f32);
+        w.add_tensor(e, &b).unwrap();
+    }
+    w.add_tensor(entry(Role::FfnUp, Some(0), vec![0, 16], DType::F32), &[]).unwrap();
+    w.finish(tiny_manifest(arch.clone())).unwrap();
+    let a = Archive::open(&p).unwrap();
+    assert!(a.tensor_f32(Role::FfnUp, Some(0)).unwrap().is_empty());
+    a.verify().unwrap();
+
+    let q = dir.path().join("bad.thin");
+    let mut w = ArchiveWriter::create(&q).unwrap();
+    for (i, e) in tiny_entries(&arch).into_iter().enumerate() {
+        let b = tensor_bytes(&e, i as f32);
+        w.add_tensor(e, &b).unwrap();
+    }
+    let mut m = tiny_manifest(arch);
+    m.shape_fingerprint = "x".into();
+    assert!(matches!(w.finish(m), Err(FormatError::FingerprintMismatch { .. })));
+    assert!(!q.exists());
+    assert_eq!(temp_files(dir.path()), vec!["m.thin".to_string()]);
+}
