@@ -133,3 +133,25 @@ fn tokenizer_loads_and_encodes() {
     let enc = tk.encode("<|im_start|>user", false).unwrap();
     assert_eq!(enc.get_ids()[0], 1, "special token is one id");
 }
+
+/// Random blocks of every block format (incl. the K-quants SmolLM2 does not use), dequantized by
+/// gguf-py: must match bit for bit. Needs only the fixture, not the model file.
+#[test]
+fn synthetic_blocks_match_gguf_py() {
+    let r = reference();
+    let blocks = r["synthetic_blocks"].as_array().expect("synthetic_blocks");
+    assert_eq!(blocks.len(), 6);
+    for b in blocks {
+        let ty = b["ggml_type"].as_u64().unwrap() as u32;
+        let dtype = thin_core::gguf::dtype_from_ggml(ty).expect("known type");
+        let hex = b["bytes_hex"].as_str().unwrap();
+        let bytes: Vec<u8> = (0..hex.len() / 2).map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap()).collect();
+        let want: Vec<f64> = b["values"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+        let mut out = vec![0f32; want.len()];
+        decode_to_f32(dtype, &bytes, &mut out).expect("decode");
+        for (i, (&o, &w)) in out.iter().zip(&want).enumerate() {
+            // serde_json's float parsing may be off by an ulp of f64; rounding to f32 is exact.
+            assert_eq!(o.to_bits(), (w as f32).to_bits(), "{} [{i}]: {o} vs {w}", dtype.name());
+        }
+    }
+}
