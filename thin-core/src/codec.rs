@@ -438,4 +438,49 @@ mod tests {
         f32_to_bf16_bytes(&[1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0, -2.0], &mut out);
         assert_eq!(out, vec![0x80, 0x3F, 0x82, 0x3F, 0x00, 0xC0]);
     }
+
+    /// `cargo test -p thin-core --lib codec::tests::throughput -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn throughput() {
+        let n = 1usize << 24;
+        for dt in [
+            SourceDType::F32,
+            SourceDType::F16,
+            SourceDType::Bf16,
+            SourceDType::Q8_0,
+            SourceDType::Q4_0,
+            SourceDType::Q4_1,
+            SourceDType::Q4K,
+            SourceDType::Q5K,
+            SourceDType::Q6K,
+        ] {
+            let (per, bpb) = dt.block();
+            let nb = n / per as usize;
+            let mut bytes: Vec<u8> = (0..nb * bpb as usize).map(|i| (i * 31 % 251) as u8).collect();
+            if dt.is_block_quantized() {
+                let offs: &[usize] = match dt {
+                    SourceDType::Q6K => &[208],
+                    SourceDType::Q8_0 | SourceDType::Q4_0 => &[0],
+                    _ => &[0, 2],
+                };
+                for b in 0..nb {
+                    for &o in offs {
+                        let at = b * bpb as usize + o;
+                        bytes[at..at + 2].copy_from_slice(&h(0.01));
+                    }
+                }
+            }
+            let mut out = vec![0f32; n];
+            decode_to_f32(dt, &bytes, &mut out).unwrap();
+            let reps = 5;
+            let t = std::time::Instant::now();
+            for _ in 0..reps {
+                decode_to_f32(dt, &bytes, &mut out).unwrap();
+            }
+            let s = t.elapsed().as_secs_f64() / reps as f64;
+            eprintln!("{:5}: {:6.2} GB/s f32 output, 1 thread", dt.name(), (n * 4) as f64 / s / 1e9);
+            std::hint::black_box(&out);
+        }
+    }
 }
