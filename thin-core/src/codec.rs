@@ -14,13 +14,21 @@ use half::{bf16, f16};
 pub enum CodecError {
     /// `bytes` is not exactly `dtype.bytes_for(out.len())` long.
     #[error("{dtype}: expected {expected} bytes, got {got}")]
-    Length { dtype: &'static str, expected: u64, got: u64 },
+    Length {
+        dtype: &'static str,
+        expected: u64,
+        got: u64,
+    },
     /// A block's f16 scale (`d` or `dmin`) is NaN or infinite.
     #[error("{dtype}: block {block} has a non-finite scale")]
     NonFinite { dtype: &'static str, block: u64 },
     /// The element count is not a whole number of blocks.
     #[error("{dtype}: {count} elements is not a multiple of the block size {block_elems}")]
-    PartialBlock { dtype: &'static str, count: u64, block_elems: u64 },
+    PartialBlock {
+        dtype: &'static str,
+        count: u64,
+        block_elems: u64,
+    },
 }
 
 #[inline(always)]
@@ -33,7 +41,10 @@ fn check_scale(v: f32, dtype: &'static str, block: usize) -> Result<f32, CodecEr
     if v.is_finite() {
         Ok(v)
     } else {
-        Err(CodecError::NonFinite { dtype, block: block as u64 })
+        Err(CodecError::NonFinite {
+            dtype,
+            block: block as u64,
+        })
     }
 }
 
@@ -49,7 +60,11 @@ pub fn decode_to_f32(dtype: SourceDType, bytes: &[u8], out: &mut [f32]) -> Resul
     let n = out.len() as u64;
     let (per, bpb) = dtype.block();
     if n % per != 0 {
-        return Err(CodecError::PartialBlock { dtype: name, count: n, block_elems: per });
+        return Err(CodecError::PartialBlock {
+            dtype: name,
+            count: n,
+            block_elems: per,
+        });
     }
     let expected = (n / per).checked_mul(bpb).ok_or(CodecError::Length {
         dtype: name,
@@ -57,7 +72,11 @@ pub fn decode_to_f32(dtype: SourceDType, bytes: &[u8], out: &mut [f32]) -> Resul
         got: bytes.len() as u64,
     })?;
     if expected != bytes.len() as u64 {
-        return Err(CodecError::Length { dtype: name, expected, got: bytes.len() as u64 });
+        return Err(CodecError::Length {
+            dtype: name,
+            expected,
+            got: bytes.len() as u64,
+        });
     }
     let per = per as usize;
     let bpb = bpb as usize;
@@ -191,7 +210,10 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        ((q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+        (
+            (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
     }
 }
 
@@ -237,8 +259,10 @@ mod tests {
         assert_eq!(dec(SourceDType::F32, &b, 3), vec![1.5, -2.0, 0.0]);
         let b: Vec<u8> = [0.5f32, -3.25].iter().flat_map(|&v| h(v)).collect();
         assert_eq!(dec(SourceDType::F16, &b, 2), vec![0.5, -3.25]);
-        let b: Vec<u8> =
-            [1.0f32, -0.375].iter().flat_map(|&v| bf16::from_f32(v).to_bits().to_le_bytes()).collect();
+        let b: Vec<u8> = [1.0f32, -0.375]
+            .iter()
+            .flat_map(|&v| bf16::from_f32(v).to_bits().to_le_bytes())
+            .collect();
         assert_eq!(dec(SourceDType::Bf16, &b, 2), vec![1.0, -0.375]);
     }
 
@@ -254,7 +278,11 @@ mod tests {
         let mut out = vec![0f32; 32];
         assert!(matches!(
             decode_to_f32(SourceDType::Q8_0, &b, &mut out),
-            Err(CodecError::Length { expected: 34, got: 35, .. })
+            Err(CodecError::Length {
+                expected: 34,
+                got: 35,
+                ..
+            })
         ));
         let mut out = vec![0f32; 31];
         assert!(matches!(
@@ -299,7 +327,10 @@ mod tests {
         }
         b[2..4].copy_from_slice(&h(f32::NAN));
         let mut o = vec![0f32; 32];
-        assert!(matches!(decode_to_f32(SourceDType::Q4_1, &b, &mut o), Err(CodecError::NonFinite { .. })));
+        assert!(matches!(
+            decode_to_f32(SourceDType::Q4_1, &b, &mut o),
+            Err(CodecError::NonFinite { .. })
+        ));
     }
 
     /// Packs 8 (scale, min) 6-bit pairs the way ggml's K-quants do.
@@ -479,7 +510,11 @@ mod tests {
                 decode_to_f32(dt, &bytes, &mut out).unwrap();
             }
             let s = t.elapsed().as_secs_f64() / reps as f64;
-            eprintln!("{:5}: {:6.2} GB/s f32 output, 1 thread", dt.name(), (n * 4) as f64 / s / 1e9);
+            eprintln!(
+                "{:5}: {:6.2} GB/s f32 output, 1 thread",
+                dt.name(),
+                (n * 4) as f64 / s / 1e9
+            );
             std::hint::black_box(&out);
         }
     }

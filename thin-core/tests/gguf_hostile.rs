@@ -25,7 +25,10 @@ fn valid_file_opens_from_disk() {
     std::fs::write(&p, g.build()).unwrap();
     let f = GgufFile::open(&p).expect("open");
     assert_eq!(f.version(), 3);
-    assert_eq!(f.metadata().get("general.name"), Some(&GgufValue::String("tiny".into())));
+    assert_eq!(
+        f.metadata().get("general.name"),
+        Some(&GgufValue::String("tiny".into()))
+    );
     assert_eq!(f.tensor_infos().len(), 5);
     let sm = f.source_model("tiny.gguf").expect("source_model");
     assert_eq!(sm.arch.hidden_size, 64);
@@ -55,8 +58,14 @@ fn bad_magic() {
     let mut g = valid();
     g.magic = *b"GGUX";
     assert!(matches!(err(&g), GgufError::BadMagic { found } if &found == b"GGUX"));
-    assert!(matches!(GgufFile::from_bytes(b"GG".to_vec()), Err(GgufError::BadMagic { .. })));
-    assert!(matches!(GgufFile::from_bytes(Vec::new()), Err(GgufError::BadMagic { .. })));
+    assert!(matches!(
+        GgufFile::from_bytes(b"GG".to_vec()),
+        Err(GgufError::BadMagic { .. })
+    ));
+    assert!(matches!(
+        GgufFile::from_bytes(Vec::new()),
+        Err(GgufError::BadMagic { .. })
+    ));
 }
 
 #[test]
@@ -92,7 +101,14 @@ fn alignment_zero_and_non_power_of_two() {
 fn absurd_tensor_count() {
     let mut g = valid();
     g.tensor_count = Some(u64::MAX);
-    assert!(matches!(err(&g), GgufError::TooMany { what: "tensors", count: u64::MAX, .. }));
+    assert!(matches!(
+        err(&g),
+        GgufError::TooMany {
+            what: "tensors",
+            count: u64::MAX,
+            ..
+        }
+    ));
     // Under the cap but more than the file could hold.
     g.tensor_count = Some(100_000);
     assert!(matches!(err(&g), GgufError::Truncated { .. }));
@@ -102,7 +118,13 @@ fn absurd_tensor_count() {
 fn absurd_kv_count() {
     let mut g = valid();
     g.kv_count = Some(u64::MAX);
-    assert!(matches!(err(&g), GgufError::TooMany { what: "metadata keys", .. }));
+    assert!(matches!(
+        err(&g),
+        GgufError::TooMany {
+            what: "metadata keys",
+            ..
+        }
+    ));
     g.kv_count = Some(60_000);
     assert!(matches!(err(&g), GgufError::Truncated { .. }));
 }
@@ -113,7 +135,13 @@ fn huge_string_length() {
     let mut p = u64::MAX.to_le_bytes().to_vec();
     p.extend_from_slice(b"abc");
     g.kv("general.name", T_STRING, p);
-    assert!(matches!(err(&g), GgufError::TooMany { what: "string bytes", .. }));
+    assert!(matches!(
+        err(&g),
+        GgufError::TooMany {
+            what: "string bytes",
+            ..
+        }
+    ));
     // Under the cap, past the end of the file.
     let mut g = Gguf::new();
     let mut p = 1_000_000u64.to_le_bytes().to_vec();
@@ -136,7 +164,13 @@ fn huge_array_length_and_deep_nesting() {
     let mut p = T_U32.to_le_bytes().to_vec();
     p.extend_from_slice(&u64::MAX.to_le_bytes());
     g.kv("a", T_ARRAY, p);
-    assert!(matches!(err(&g), GgufError::TooMany { what: "array elements", .. }));
+    assert!(matches!(
+        err(&g),
+        GgufError::TooMany {
+            what: "array elements",
+            ..
+        }
+    ));
     let mut g = Gguf::new();
     let mut p = T_U32.to_le_bytes().to_vec();
     p.extend_from_slice(&1_000_000u64.to_le_bytes());
@@ -238,7 +272,16 @@ fn nan_scale_in_q8_0_block() {
     let t = f.tensor_infos().iter().find(|t| t.name == "bad.weight").unwrap();
     let mut out = vec![0f32; 64];
     let e = decode_to_f32(t.dtype, f.tensor_data(t), &mut out).unwrap_err();
-    assert!(matches!(e, CodecError::NonFinite { dtype: "Q8_0", block: 1 }), "{e:?}");
+    assert!(
+        matches!(
+            e,
+            CodecError::NonFinite {
+                dtype: "Q8_0",
+                block: 1
+            }
+        ),
+        "{e:?}"
+    );
     let ge: GgufError = e.into();
     assert!(matches!(ge, GgufError::Codec(CodecError::NonFinite { .. })));
 }
@@ -258,14 +301,19 @@ fn metadata_errors() {
             kv.2 = s("llama");
         }
     }
-    assert!(matches!(open(&g).unwrap().source_model("x").unwrap_err(), GgufError::UnsupportedTokenizer(m) if m == "llama"));
+    assert!(
+        matches!(open(&g).unwrap().source_model("x").unwrap_err(), GgufError::UnsupportedTokenizer(m) if m == "llama")
+    );
     let mut g = valid();
     for kv in g.kvs.iter_mut() {
         if kv.0 == s("llama.block_count") {
             *kv = (kv.0.clone(), T_STRING, s("one"));
         }
     }
-    assert!(matches!(open(&g).unwrap().source_model("x").unwrap_err(), GgufError::WrongKeyType { .. }));
+    assert!(matches!(
+        open(&g).unwrap().source_model("x").unwrap_err(),
+        GgufError::WrongKeyType { .. }
+    ));
 }
 
 // ---- a small GGUF writer for synthetic test files ----
@@ -359,7 +407,12 @@ mod w {
             }
             let offset = self.data.len() as u64;
             self.data.extend_from_slice(bytes);
-            self.tensors.push(Tensor { name: name.into(), dims: dims.to_vec(), ty, offset });
+            self.tensors.push(Tensor {
+                name: name.into(),
+                dims: dims.to_vec(),
+                ty,
+                offset,
+            });
             self
         }
         pub fn build(&self) -> Vec<u8> {
@@ -392,7 +445,10 @@ mod w {
 
     /// Byte-level BPE vocab: the 256 GPT-2 byte symbols, a few merges and one control token.
     pub fn gpt2_tokens() -> Vec<String> {
-        let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+        let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32)
+            .chain(0xA1..=0xAC)
+            .chain(0xAE..=0xFF)
+            .collect();
         let mut cs = bs.clone();
         let mut n = 0;
         for b in 0..256u32 {
@@ -402,7 +458,10 @@ mod w {
                 n += 1;
             }
         }
-        let mut toks: Vec<String> = cs.iter().map(|&c| char::from_u32(c).map(String::from).unwrap_or_default()).collect();
+        let mut toks: Vec<String> = cs
+            .iter()
+            .map(|&c| char::from_u32(c).map(String::from).unwrap_or_default())
+            .collect();
         toks.extend(["he", "ll", "hell", "<|endoftext|>"].iter().map(|s| s.to_string()));
         toks
     }
@@ -434,7 +493,10 @@ mod w {
             .kv_u32("tokenizer.ggml.bos_token_id", last as u32)
             .kv_u32("tokenizer.ggml.eos_token_id", last as u32)
             .kv("tokenizer.ggml.add_bos_token", T_BOOL, vec![0])
-            .kv_str("tokenizer.chat_template", "{% for m in messages %}{{ m.content }}{% endfor %}");
+            .kv_str(
+                "tokenizer.chat_template",
+                "{% for m in messages %}{{ m.content }}{% endfor %}",
+            );
         // Q8_0 [2, 64]: 4 blocks.
         let mut q8 = Vec::new();
         for blk in 0..4 {

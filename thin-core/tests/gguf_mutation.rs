@@ -28,7 +28,9 @@ impl SplitMix64 {
 
 /// Runs the whole read path; Err is fine, panics are what we look for.
 fn exercise(bytes: Vec<u8>) -> (bool, bool) {
-    let Ok(f) = GgufFile::from_bytes(bytes) else { return (false, false) };
+    let Ok(f) = GgufFile::from_bytes(bytes) else {
+        return (false, false);
+    };
     let _ = f.source_model("fuzz.gguf");
     let mut out = Vec::new();
     for t in f.tensor_infos() {
@@ -60,7 +62,24 @@ fn mutate(base: &[u8], rng: &mut SplitMix64, header_len: usize) -> Vec<u8> {
         }
         // Write an interesting little-endian integer at a random header position.
         2 => {
-            let vals = [0u64, 1, 2, 3, 4, 9, 31, 32, 33, 255, 256, 0xFFFF, u32::MAX as u64, 1 << 32, i64::MAX as u64, u64::MAX];
+            let vals = [
+                0u64,
+                1,
+                2,
+                3,
+                4,
+                9,
+                31,
+                32,
+                33,
+                255,
+                256,
+                0xFFFF,
+                u32::MAX as u64,
+                1 << 32,
+                i64::MAX as u64,
+                u64::MAX,
+            ];
             let v = vals[rng.below(vals.len() as u64) as usize];
             let w = [1usize, 2, 4, 8][rng.below(4) as usize];
             let i = rng.below(header_len.saturating_sub(w) as u64) as usize;
@@ -98,8 +117,14 @@ fn mutations_never_panic() {
     let header_len = f.data_offset() as usize;
     drop(f);
 
-    let seed: u64 = std::env::var("THIN_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x7417_5EED);
-    let cases: u64 = std::env::var("THIN_FUZZ_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(12_000);
+    let seed: u64 = std::env::var("THIN_FUZZ_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x7417_5EED);
+    let cases: u64 = std::env::var("THIN_FUZZ_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(12_000);
     // Silence the default hook's per-panic output; failures are reported below with their seed.
     let prev = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
@@ -126,7 +151,10 @@ fn mutations_never_panic() {
     }
     std::panic::set_hook(prev);
     let secs = start.elapsed().as_secs_f64();
-    eprintln!("{cases} cases in {secs:.2}s: {opened} opened, {modeled} gave a source model, {} panics", failures.len());
+    eprintln!(
+        "{cases} cases in {secs:.2}s: {opened} opened, {modeled} gave a source model, {} panics",
+        failures.len()
+    );
     assert!(failures.is_empty(), "panics (seed {seed:#x}):\n{}", failures.join("\n"));
     assert!(opened > cases / 10, "mutations too destructive: only {opened} opened");
     assert!(secs < 30.0, "took {secs:.1}s");
@@ -223,7 +251,12 @@ mod w {
             }
             let offset = self.data.len() as u64;
             self.data.extend_from_slice(bytes);
-            self.tensors.push(Tensor { name: name.into(), dims: dims.to_vec(), ty, offset });
+            self.tensors.push(Tensor {
+                name: name.into(),
+                dims: dims.to_vec(),
+                ty,
+                offset,
+            });
             self
         }
         pub fn build(&self) -> Vec<u8> {
@@ -256,7 +289,10 @@ mod w {
 
     /// Byte-level BPE vocab: the 256 GPT-2 byte symbols, a few merges and one control token.
     pub fn gpt2_tokens() -> Vec<String> {
-        let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+        let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32)
+            .chain(0xA1..=0xAC)
+            .chain(0xAE..=0xFF)
+            .collect();
         let mut cs = bs.clone();
         let mut n = 0;
         for b in 0..256u32 {
@@ -266,7 +302,10 @@ mod w {
                 n += 1;
             }
         }
-        let mut toks: Vec<String> = cs.iter().map(|&c| char::from_u32(c).map(String::from).unwrap_or_default()).collect();
+        let mut toks: Vec<String> = cs
+            .iter()
+            .map(|&c| char::from_u32(c).map(String::from).unwrap_or_default())
+            .collect();
         toks.extend(["he", "ll", "hell", "<|endoftext|>"].iter().map(|s| s.to_string()));
         toks
     }
@@ -298,7 +337,10 @@ mod w {
             .kv_u32("tokenizer.ggml.bos_token_id", last as u32)
             .kv_u32("tokenizer.ggml.eos_token_id", last as u32)
             .kv("tokenizer.ggml.add_bos_token", T_BOOL, vec![0])
-            .kv_str("tokenizer.chat_template", "{% for m in messages %}{{ m.content }}{% endfor %}");
+            .kv_str(
+                "tokenizer.chat_template",
+                "{% for m in messages %}{{ m.content }}{% endfor %}",
+            );
         // Q8_0 [2, 64]: 4 blocks.
         let mut q8 = Vec::new();
         for blk in 0..4 {
