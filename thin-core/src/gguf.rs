@@ -837,3 +837,48 @@ pub fn arch_from_gguf(meta: &BTreeMap<String, GgufValue>, tensors: &[GgufTensorI
     }
     Ok(cfg)
 }
+
+/// llama.cpp's HF→GGUF converter permutes the rows of Llama-family Q and K projections for its
+/// RoPE layout (`reshape(n_head, 2, hd/2, ..).swapaxes(1, 2)`); transformers undoes it on load.
+/// For row `hf_row` of the Hugging Face layout of a `[rows, in]` Q/K weight with `n_head` heads
+/// (`n_kv_heads` for K), this gives the GGUF row that holds it, or `None` if the shape does not
+/// split into heads of even size or `hf_row` is out of range.
+pub fn llama_qk_gguf_row(hf_row: u64, rows: u64, n_head: u64) -> Option<u64> {
+    if n_head == 0 || rows % n_head != 0 || hf_row >= rows {
+        return None;
+    }
+    let hd = rows / n_head;
+    if hd % 2 != 0 {
+        return None;
+    }
+    let half = hd / 2;
+    let (h, r) = (hf_row / hd, hf_row % hd);
+    let (i, j) = (r / half, r % half);
+    Some(h * hd + 2 * j + i)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qk_unpermute_inverts_llama_cpp_permute() {
+        // llama.cpp permute on row indices: hf rows [n_head, 2, hd/2] -> gguf rows [n_head, hd/2, 2].
+        let (n_head, hd) = (3u64, 8u64);
+        let rows = n_head * hd;
+        let mut gguf_of_hf = vec![0u64; rows as usize];
+        for h in 0..n_head {
+            for i in 0..2 {
+                for j in 0..hd / 2 {
+                    gguf_of_hf[(h * hd + i * hd / 2 + j) as usize] = h * hd + j * 2 + i;
+                }
+            }
+        }
+        for r in 0..rows {
+            assert_eq!(llama_qk_gguf_row(r, rows, n_head), Some(gguf_of_hf[r as usize]));
+        }
+        assert_eq!(llama_qk_gguf_row(0, 10, 3), None);
+        assert_eq!(llama_qk_gguf_row(24, 24, 3), None);
+        assert_eq!(llama_qk_gguf_row(0, 9, 3), None);
+    }
+}
