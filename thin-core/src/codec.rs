@@ -8,6 +8,7 @@
 //! parallelise over rows.
 
 use crate::dtype::SourceDType;
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use half::{bf16, f16};
 
 #[derive(Debug, thiserror::Error)]
@@ -87,8 +88,15 @@ pub fn decode_to_f32(dtype: SourceDType, bytes: &[u8], out: &mut [f32]) -> Resul
             }
         }
         SourceDType::F16 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
+            // Bits through a stack buffer, then half's slice conversion (F16C when the CPU has it).
+            let mut bits = [0u16; 512];
+            for (o, c) in out.chunks_mut(512).zip(bytes.chunks(1024)) {
+                let bits = &mut bits[..o.len()];
+                for (d, s) in bits.iter_mut().zip(c.chunks_exact(2)) {
+                    *d = u16::from_le_bytes([s[0], s[1]]);
+                }
+                let halves: &[f16] = bits.reinterpret_cast();
+                halves.convert_to_f32_slice(o);
             }
         }
         SourceDType::Bf16 => {
@@ -264,6 +272,16 @@ mod tests {
             .flat_map(|&v| bf16::from_f32(v).to_bits().to_le_bytes())
             .collect();
         assert_eq!(dec(SourceDType::Bf16, &b, 2), vec![1.0, -0.375]);
+    }
+
+    #[test]
+    fn f16_long_matches_scalar() {
+        let vals: Vec<f32> = (0..1301).map(|i| (i as f32 - 650.0) * 0.37).collect();
+        let b: Vec<u8> = vals.iter().flat_map(|&v| h(v)).collect();
+        let out = dec(SourceDType::F16, &b, vals.len());
+        for (i, &v) in vals.iter().enumerate() {
+            assert_eq!(out[i], f16::from_f32(v).to_f32(), "i={i}");
+        }
     }
 
     #[test]
