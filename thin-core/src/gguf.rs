@@ -23,8 +23,11 @@ pub const MAX_TENSORS: u64 = 1 << 20;
 pub const MAX_KVS: u64 = 1 << 16;
 /// Longest string (key, value or tensor name) in bytes.
 pub const MAX_STRING: u64 = 64 << 20;
-/// Longest metadata array.
-pub const MAX_ARRAY: u64 = 1 << 24;
+/// Longest metadata array (Gemma 3's vocab is 262,144 tokens; merges run to ~500k).
+pub const MAX_ARRAY: u64 = 1 << 22;
+/// Most metadata array elements in the whole file (bounds memory: a 1-byte element in the file
+/// becomes a 32-byte `GgufValue`).
+pub const MAX_ARRAY_ELEMENTS_TOTAL: u64 = 1 << 23;
 /// Deepest nesting of metadata arrays.
 pub const MAX_ARRAY_DEPTH: u32 = 4;
 pub const MAX_DIMS: u32 = 4;
@@ -255,6 +258,8 @@ impl std::fmt::Debug for GgufFile {
 struct Cursor<'a> {
     b: &'a [u8],
     pos: usize,
+    /// Array elements still allowed in this file.
+    elems_left: u64,
 }
 
 impl<'a> Cursor<'a> {
@@ -351,6 +356,14 @@ impl<'a> Cursor<'a> {
                         max: MAX_ARRAY,
                     });
                 }
+                if count > self.elems_left {
+                    return Err(GgufError::TooMany {
+                        what: "array elements in the file",
+                        count,
+                        max: MAX_ARRAY_ELEMENTS_TOTAL,
+                    });
+                }
+                self.elems_left -= count;
                 if count > self.remaining() / min {
                     return Err(GgufError::Truncated {
                         what: format!("array {key}"),
@@ -380,7 +393,11 @@ impl<'a> Cursor<'a> {
 type Parsed = (u32, u64, u64, BTreeMap<String, GgufValue>, Vec<GgufTensorInfo>);
 
 fn parse(b: &[u8]) -> Result<Parsed, GgufError> {
-    let mut c = Cursor { b, pos: 0 };
+    let mut c = Cursor {
+        b,
+        pos: 0,
+        elems_left: MAX_ARRAY_ELEMENTS_TOTAL,
+    };
     if b.len() < 4 {
         let mut found = [0u8; 4];
         found[..b.len()].copy_from_slice(b);

@@ -190,6 +190,25 @@ fn huge_array_length_and_deep_nesting() {
 }
 
 #[test]
+fn total_array_elements_capped() {
+    // Three arrays of 3M u8 each: each is under the per-array cap, together over the file cap.
+    let mut g = Gguf::new();
+    for k in ["a", "b", "c"] {
+        let mut p = 0u32.to_le_bytes().to_vec();
+        p.extend_from_slice(&3_000_000u64.to_le_bytes());
+        p.extend(std::iter::repeat(7u8).take(3_000_000));
+        g.kv(k, T_ARRAY, p);
+    }
+    assert!(matches!(
+        err(&g),
+        GgufError::TooMany {
+            what: "array elements in the file",
+            ..
+        }
+    ));
+}
+
+#[test]
 fn nine_dims() {
     let mut g = Gguf::new();
     g.tensor("a", &[1; 9], 0, &[0u8; 4]);
