@@ -157,7 +157,8 @@ fn mutations_never_panic() {
     );
     assert!(failures.is_empty(), "panics (seed {seed:#x}):\n{}", failures.join("\n"));
     assert!(opened > cases / 10, "mutations too destructive: only {opened} opened");
-    assert!(secs < 30.0, "took {secs:.1}s");
+    // The time budget is for the default case count; THIN_FUZZ_CASES runs longer on purpose.
+    assert!(secs < 30.0 || cases > 12_000, "took {secs:.1}s");
 }
 
 // ---- a small GGUF writer for synthetic test files ----
