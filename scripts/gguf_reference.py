@@ -97,7 +97,25 @@ meta = {
     "has_output_weight": any(t.name == "output.weight" for t in r.tensors),
 }
 
-out = {"source": os.path.basename(src), "generator": "scripts/gguf_reference.py (gguf-py)", "metadata": meta, "tensors": tensors}
+# Random blocks of every format thin-core decodes (finite f16 scales), dequantized by gguf-py:
+# cross-checks the K-quants, which the SmolLM2 file does not contain.
+rng = np.random.default_rng(1234)
+T = gguf.GGMLQuantizationType
+scale_at = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
+synthetic = []
+for ty, offs in scale_at.items():
+    per, size = gguf.GGML_QUANT_SIZES[ty]
+    nblk = 2 if per == 256 else 8
+    raw = bytearray(rng.integers(0, 256, size=nblk * size, dtype=np.uint8).tobytes())
+    for b in range(nblk):
+        for o in offs:
+            v = np.float16(rng.uniform(-0.05, 0.05)).tobytes()
+            raw[b * size + o: b * size + o + 2] = v
+    vals = dequantize(np.frombuffer(bytes(raw), dtype=np.uint8), ty).astype(np.float32).reshape(-1)
+    synthetic.append({"type_name": ty.name, "ggml_type": int(ty), "bytes_hex": bytes(raw).hex(),
+                      "values": [float(x) for x in vals]})
+
+out = {"source": os.path.basename(src), "generator": "scripts/gguf_reference.py (gguf-py)", "metadata": meta, "tensors": tensors, "synthetic_blocks": synthetic}
 with open(dst, "w") as f:
     json.dump(out, f, indent=1)
     f.write("\n")

@@ -8,19 +8,28 @@
 //! parallelise over rows.
 
 use crate::dtype::SourceDType;
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use half::{bf16, f16};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CodecError {
     /// `bytes` is not exactly `dtype.bytes_for(out.len())` long.
     #[error("{dtype}: expected {expected} bytes, got {got}")]
-    Length { dtype: &'static str, expected: u64, got: u64 },
+    Length {
+        dtype: &'static str,
+        expected: u64,
+        got: u64,
+    },
     /// A block's f16 scale (`d` or `dmin`) is NaN or infinite.
     #[error("{dtype}: block {block} has a non-finite scale")]
     NonFinite { dtype: &'static str, block: u64 },
     /// The element count is not a whole number of blocks.
     #[error("{dtype}: {count} elements is not a multiple of the block size {block_elems}")]
-    PartialBlock { dtype: &'static str, count: u64, block_elems: u64 },
+    PartialBlock {
+        dtype: &'static str,
+        count: u64,
+        block_elems: u64,
+    },
 }
 
 #[inline(always)]
@@ -33,7 +42,10 @@ fn check_scale(v: f32, dtype: &'static str, block: usize) -> Result<f32, CodecEr
     if v.is_finite() {
         Ok(v)
     } else {
-        Err(CodecError::NonFinite { dtype, block: block as u64 })
+        Err(CodecError::NonFinite {
+            dtype,
+            block: block as u64,
+        })
     }
 }
 
@@ -49,7 +61,11 @@ pub fn decode_to_f32(dtype: SourceDType, bytes: &[u8], out: &mut [f32]) -> Resul
     let n = out.len() as u64;
     let (per, bpb) = dtype.block();
     if n % per != 0 {
-        return Err(CodecError::PartialBlock { dtype: name, count: n, block_elems: per });
+        return Err(CodecError::PartialBlock {
+            dtype: name,
+            count: n,
+            block_elems: per,
+        });
     }
     let expected = (n / per).checked_mul(bpb).ok_or(CodecError::Length {
         dtype: name,
@@ -57,7 +73,11 @@ pub fn decode_to_f32(dtype: SourceDType, bytes: &[u8], out: &mut [f32]) -> Resul
         got: bytes.len() as u64,
     })?;
     if expected != bytes.len() as u64 {
-        return Err(CodecError::Length { dtype: name, expected, got: bytes.len() as u64 });
+        return Err(CodecError::Length {
+            dtype: name,
+            expected,
+            got: bytes.len() as u64,
+        });
     }
     let per = per as usize;
     let bpb = bpb as usize;
@@ -68,8 +88,15 @@ pub fn decode_to_f32(dtype: SourceDType, bytes: &[u8], out: &mut [f32]) -> Resul
             }
         }
         SourceDType::F16 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
+            // Bits through a stack buffer, then half's slice conversion (F16C when the CPU has it).
+            let mut bits = [0u16; 512];
+            for (o, c) in out.chunks_mut(512).zip(bytes.chunks(1024)) {
+                let bits = &mut bits[..o.len()];
+                for (d, s) in bits.iter_mut().zip(c.chunks_exact(2)) {
+                    *d = u16::from_le_bytes([s[0], s[1]]);
+                }
+                let halves: &[f16] = bits.reinterpret_cast();
+                halves.convert_to_f32_slice(o);
             }
         }
         SourceDType::Bf16 => {
@@ -191,7 +218,10 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        ((q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+        (
+            (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
     }
 }
 
@@ -237,9 +267,21 @@ mod tests {
         assert_eq!(dec(SourceDType::F32, &b, 3), vec![1.5, -2.0, 0.0]);
         let b: Vec<u8> = [0.5f32, -3.25].iter().flat_map(|&v| h(v)).collect();
         assert_eq!(dec(SourceDType::F16, &b, 2), vec![0.5, -3.25]);
-        let b: Vec<u8> =
-            [1.0f32, -0.375].iter().flat_map(|&v| bf16::from_f32(v).to_bits().to_le_bytes()).collect();
+        let b: Vec<u8> = [1.0f32, -0.375]
+            .iter()
+            .flat_map(|&v| bf16::from_f32(v).to_bits().to_le_bytes())
+            .collect();
         assert_eq!(dec(SourceDType::Bf16, &b, 2), vec![1.0, -0.375]);
+    }
+
+    #[test]
+    fn f16_long_matches_scalar() {
+        let vals: Vec<f32> = (0..1301).map(|i| (i as f32 - 650.0) * 0.37).collect();
+        let b: Vec<u8> = vals.iter().flat_map(|&v| h(v)).collect();
+        let out = dec(SourceDType::F16, &b, vals.len());
+        for (i, &v) in vals.iter().enumerate() {
+            assert_eq!(out[i], f16::from_f32(v).to_f32(), "i={i}");
+        }
     }
 
     #[test]
@@ -254,7 +296,11 @@ mod tests {
         let mut out = vec![0f32; 32];
         assert!(matches!(
             decode_to_f32(SourceDType::Q8_0, &b, &mut out),
-            Err(CodecError::Length { expected: 34, got: 35, .. })
+            Err(CodecError::Length {
+                expected: 34,
+                got: 35,
+                ..
+            })
         ));
         let mut out = vec![0f32; 31];
         assert!(matches!(
@@ -299,7 +345,10 @@ mod tests {
         }
         b[2..4].copy_from_slice(&h(f32::NAN));
         let mut o = vec![0f32; 32];
-        assert!(matches!(decode_to_f32(SourceDType::Q4_1, &b, &mut o), Err(CodecError::NonFinite { .. })));
+        assert!(matches!(
+            decode_to_f32(SourceDType::Q4_1, &b, &mut o),
+            Err(CodecError::NonFinite { .. })
+        ));
     }
 
     /// Packs 8 (scale, min) 6-bit pairs the way ggml's K-quants do.
@@ -437,5 +486,54 @@ mod tests {
         // 1 + 2^-8 is exactly halfway between two bf16 values: ties to even (1.0).
         f32_to_bf16_bytes(&[1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0, -2.0], &mut out);
         assert_eq!(out, vec![0x80, 0x3F, 0x82, 0x3F, 0x00, 0xC0]);
+    }
+
+    /// `cargo test -p thin-core --lib codec::tests::throughput -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn throughput() {
+        let n = 1usize << 24;
+        for dt in [
+            SourceDType::F32,
+            SourceDType::F16,
+            SourceDType::Bf16,
+            SourceDType::Q8_0,
+            SourceDType::Q4_0,
+            SourceDType::Q4_1,
+            SourceDType::Q4K,
+            SourceDType::Q5K,
+            SourceDType::Q6K,
+        ] {
+            let (per, bpb) = dt.block();
+            let nb = n / per as usize;
+            let mut bytes: Vec<u8> = (0..nb * bpb as usize).map(|i| (i * 31 % 251) as u8).collect();
+            if dt.is_block_quantized() {
+                let offs: &[usize] = match dt {
+                    SourceDType::Q6K => &[208],
+                    SourceDType::Q8_0 | SourceDType::Q4_0 => &[0],
+                    _ => &[0, 2],
+                };
+                for b in 0..nb {
+                    for &o in offs {
+                        let at = b * bpb as usize + o;
+                        bytes[at..at + 2].copy_from_slice(&h(0.01));
+                    }
+                }
+            }
+            let mut out = vec![0f32; n];
+            decode_to_f32(dt, &bytes, &mut out).unwrap();
+            let reps = 5;
+            let t = std::time::Instant::now();
+            for _ in 0..reps {
+                decode_to_f32(dt, &bytes, &mut out).unwrap();
+            }
+            let s = t.elapsed().as_secs_f64() / reps as f64;
+            eprintln!(
+                "{:5}: {:6.2} GB/s f32 output, 1 thread",
+                dt.name(),
+                (n * 4) as f64 / s / 1e9
+            );
+            std::hint::black_box(&out);
+        }
     }
 }

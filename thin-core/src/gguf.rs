@@ -23,8 +23,11 @@ pub const MAX_TENSORS: u64 = 1 << 20;
 pub const MAX_KVS: u64 = 1 << 16;
 /// Longest string (key, value or tensor name) in bytes.
 pub const MAX_STRING: u64 = 64 << 20;
-/// Longest metadata array.
-pub const MAX_ARRAY: u64 = 1 << 24;
+/// Longest metadata array (Gemma 3's vocab is 262,144 tokens; merges run to ~500k).
+pub const MAX_ARRAY: u64 = 1 << 22;
+/// Most metadata array elements in the whole file (bounds memory: a 1-byte element in the file
+/// becomes a 32-byte `GgufValue`).
+pub const MAX_ARRAY_ELEMENTS_TOTAL: u64 = 1 << 23;
 /// Deepest nesting of metadata arrays.
 pub const MAX_ARRAY_DEPTH: u32 = 4;
 pub const MAX_DIMS: u32 = 4;
@@ -50,11 +53,25 @@ pub enum GgufError {
     #[error("tensor {tensor}: {n_dims} dims (at most {max})")]
     TooManyDims { tensor: String, n_dims: u32, max: u32 },
     #[error("tensor {tensor}: innermost dim {dim} is not a multiple of the {dtype} block size {block}")]
-    PartialBlock { tensor: String, dtype: &'static str, dim: u64, block: u64 },
+    PartialBlock {
+        tensor: String,
+        dtype: &'static str,
+        dim: u64,
+        block: u64,
+    },
     #[error("tensor {tensor}: offset {offset} is not aligned to {alignment}")]
-    MisalignedTensor { tensor: String, offset: u64, alignment: u64 },
+    MisalignedTensor {
+        tensor: String,
+        offset: u64,
+        alignment: u64,
+    },
     #[error("tensor {tensor}: data {offset}..+{len} is outside the data section ({data_len} bytes)")]
-    DataOutOfBounds { tensor: String, offset: u64, len: u64, data_len: u64 },
+    DataOutOfBounds {
+        tensor: String,
+        offset: u64,
+        len: u64,
+        data_len: u64,
+    },
     #[error("tensors {first} and {second} overlap")]
     TensorOverlap { first: String, second: String },
     #[error("duplicate tensor name {0}")]
@@ -70,7 +87,11 @@ pub enum GgufError {
     #[error("missing metadata key {0}")]
     MissingKey(String),
     #[error("metadata key {key}: expected {expected}, found {found}")]
-    WrongKeyType { key: String, expected: &'static str, found: String },
+    WrongKeyType {
+        key: String,
+        expected: &'static str,
+        found: String,
+    },
     #[error("metadata key {key}: bad value: {reason}")]
     BadValue { key: String, reason: String },
     #[error("unsupported architecture {0:?} (llama, smollm3, gemma3, olmoe are supported)")]
@@ -237,6 +258,8 @@ impl std::fmt::Debug for GgufFile {
 struct Cursor<'a> {
     b: &'a [u8],
     pos: usize,
+    /// Array elements still allowed in this file.
+    elems_left: u64,
 }
 
 impl<'a> Cursor<'a> {
@@ -246,7 +269,10 @@ impl<'a> Cursor<'a> {
 
     fn take(&mut self, n: u64, what: &dyn Fn() -> String) -> Result<&'a [u8], GgufError> {
         if n > self.remaining() {
-            return Err(GgufError::Truncated { what: what(), offset: self.pos as u64 });
+            return Err(GgufError::Truncated {
+                what: what(),
+                offset: self.pos as u64,
+            });
         }
         let n = n as usize;
         let s = &self.b[self.pos..self.pos + n];
@@ -272,13 +298,20 @@ impl<'a> Cursor<'a> {
     fn string(&mut self, what: &dyn Fn() -> String) -> Result<String, GgufError> {
         let len = self.u64(what)?;
         if len > MAX_STRING {
-            return Err(GgufError::TooMany { what: "string bytes", count: len, max: MAX_STRING });
+            return Err(GgufError::TooMany {
+                what: "string bytes",
+                count: len,
+                max: MAX_STRING,
+            });
         }
         let at = self.pos as u64;
         let s = self.take(len, what)?;
         match std::str::from_utf8(s) {
             Ok(s) => Ok(s.to_owned()),
-            Err(_) => Err(GgufError::BadString { what: what(), offset: at }),
+            Err(_) => Err(GgufError::BadString {
+                what: what(),
+                offset: at,
+            }),
         }
     }
 
@@ -296,23 +329,46 @@ impl<'a> Cursor<'a> {
             8 => GgufValue::String(self.string(&w)?),
             9 => {
                 if depth >= MAX_ARRAY_DEPTH {
-                    return Err(GgufError::ArrayTooDeep { key: key.to_owned(), max: MAX_ARRAY_DEPTH });
+                    return Err(GgufError::ArrayTooDeep {
+                        key: key.to_owned(),
+                        max: MAX_ARRAY_DEPTH,
+                    });
                 }
                 let ety = self.u32(&w)?;
                 let count = self.u64(&w)?;
                 let min = match ety {
                     0 | 1 | 7 => 1,
                     2 | 3 => 2,
-                    4 | 5 | 6 => 4,
+                    4..=6 => 4,
                     8 | 10 | 11 | 12 => 8,
                     9 => 12,
-                    _ => return Err(GgufError::UnknownValueType { key: key.to_owned(), value_type: ety }),
+                    _ => {
+                        return Err(GgufError::UnknownValueType {
+                            key: key.to_owned(),
+                            value_type: ety,
+                        })
+                    }
                 };
                 if count > MAX_ARRAY {
-                    return Err(GgufError::TooMany { what: "array elements", count, max: MAX_ARRAY });
+                    return Err(GgufError::TooMany {
+                        what: "array elements",
+                        count,
+                        max: MAX_ARRAY,
+                    });
                 }
+                if count > self.elems_left {
+                    return Err(GgufError::TooMany {
+                        what: "array elements in the file",
+                        count,
+                        max: MAX_ARRAY_ELEMENTS_TOTAL,
+                    });
+                }
+                self.elems_left -= count;
                 if count > self.remaining() / min {
-                    return Err(GgufError::Truncated { what: format!("array {key}"), offset: self.pos as u64 });
+                    return Err(GgufError::Truncated {
+                        what: format!("array {key}"),
+                        offset: self.pos as u64,
+                    });
                 }
                 let mut v = Vec::with_capacity(count as usize);
                 for _ in 0..count {
@@ -323,13 +379,25 @@ impl<'a> Cursor<'a> {
             10 => GgufValue::U64(u64::from_le_bytes(self.arr(&w)?)),
             11 => GgufValue::I64(i64::from_le_bytes(self.arr(&w)?)),
             12 => GgufValue::F64(f64::from_le_bytes(self.arr(&w)?)),
-            _ => return Err(GgufError::UnknownValueType { key: key.to_owned(), value_type: ty }),
+            _ => {
+                return Err(GgufError::UnknownValueType {
+                    key: key.to_owned(),
+                    value_type: ty,
+                })
+            }
         })
     }
 }
 
-fn parse(b: &[u8]) -> Result<(u32, u64, u64, BTreeMap<String, GgufValue>, Vec<GgufTensorInfo>), GgufError> {
-    let mut c = Cursor { b, pos: 0 };
+/// (version, alignment, data offset, metadata, tensor infos).
+type Parsed = (u32, u64, u64, BTreeMap<String, GgufValue>, Vec<GgufTensorInfo>);
+
+fn parse(b: &[u8]) -> Result<Parsed, GgufError> {
+    let mut c = Cursor {
+        b,
+        pos: 0,
+        elems_left: MAX_ARRAY_ELEMENTS_TOTAL,
+    };
     if b.len() < 4 {
         let mut found = [0u8; 4];
         found[..b.len()].copy_from_slice(b);
@@ -346,14 +414,25 @@ fn parse(b: &[u8]) -> Result<(u32, u64, u64, BTreeMap<String, GgufValue>, Vec<Gg
     let n_tensors = c.u64(&|| "tensor count".into())?;
     let n_kv = c.u64(&|| "metadata count".into())?;
     if n_tensors > MAX_TENSORS {
-        return Err(GgufError::TooMany { what: "tensors", count: n_tensors, max: MAX_TENSORS });
+        return Err(GgufError::TooMany {
+            what: "tensors",
+            count: n_tensors,
+            max: MAX_TENSORS,
+        });
     }
     if n_kv > MAX_KVS {
-        return Err(GgufError::TooMany { what: "metadata keys", count: n_kv, max: MAX_KVS });
+        return Err(GgufError::TooMany {
+            what: "metadata keys",
+            count: n_kv,
+            max: MAX_KVS,
+        });
     }
     // Smallest possible encodings: kv = key len + type + 1 byte; tensor info = name len + n_dims + type + offset.
     if n_kv > c.remaining() / 13 {
-        return Err(GgufError::Truncated { what: format!("{n_kv} metadata entries"), offset: c.pos as u64 });
+        return Err(GgufError::Truncated {
+            what: format!("{n_kv} metadata entries"),
+            offset: c.pos as u64,
+        });
     }
     let mut meta = BTreeMap::new();
     for i in 0..n_kv {
@@ -380,7 +459,10 @@ fn parse(b: &[u8]) -> Result<(u32, u64, u64, BTreeMap<String, GgufValue>, Vec<Gg
         }
     };
     if n_tensors > c.remaining() / 24 {
-        return Err(GgufError::Truncated { what: format!("{n_tensors} tensor infos"), offset: c.pos as u64 });
+        return Err(GgufError::Truncated {
+            what: format!("{n_tensors} tensor infos"),
+            offset: c.pos as u64,
+        });
     }
     let mut tensors = Vec::with_capacity(n_tensors as usize);
     let mut names = std::collections::HashSet::new();
@@ -388,7 +470,11 @@ fn parse(b: &[u8]) -> Result<(u32, u64, u64, BTreeMap<String, GgufValue>, Vec<Gg
         let name = c.string(&|| format!("tensor {i} name"))?;
         let n_dims = c.u32(&|| format!("tensor {name} n_dims"))?;
         if n_dims > MAX_DIMS {
-            return Err(GgufError::TooManyDims { tensor: name, n_dims, max: MAX_DIMS });
+            return Err(GgufError::TooManyDims {
+                tensor: name,
+                n_dims,
+                max: MAX_DIMS,
+            });
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
         for _ in 0..n_dims {
@@ -397,7 +483,10 @@ fn parse(b: &[u8]) -> Result<(u32, u64, u64, BTreeMap<String, GgufValue>, Vec<Gg
         let ggml_type = c.u32(&|| format!("tensor {name} type"))?;
         let offset = c.u64(&|| format!("tensor {name} offset"))?;
         let Some(dtype) = dtype_from_ggml(ggml_type) else {
-            return Err(GgufError::UnknownType { tensor: name, ggml_type });
+            return Err(GgufError::UnknownType {
+                tensor: name,
+                ggml_type,
+            });
         };
         let mut n: u64 = 1;
         for &d in &dims {
@@ -413,18 +502,34 @@ fn parse(b: &[u8]) -> Result<(u32, u64, u64, BTreeMap<String, GgufValue>, Vec<Gg
         let (per, _) = dtype.block();
         let inner = dims.first().copied().unwrap_or(1);
         if inner % per != 0 {
-            return Err(GgufError::PartialBlock { tensor: name, dtype: dtype.name(), dim: inner, block: per });
+            return Err(GgufError::PartialBlock {
+                tensor: name,
+                dtype: dtype.name(),
+                dim: inner,
+                block: per,
+            });
         }
         let Some(byte_len) = dtype.bytes_for(n) else {
             return Err(GgufError::DimOverflow { tensor: name });
         };
         if offset % alignment != 0 {
-            return Err(GgufError::MisalignedTensor { tensor: name, offset, alignment });
+            return Err(GgufError::MisalignedTensor {
+                tensor: name,
+                offset,
+                alignment,
+            });
         }
         if !names.insert(name.clone()) {
             return Err(GgufError::DuplicateTensor(name));
         }
-        tensors.push(GgufTensorInfo { name, dims, ggml_type, dtype, offset, byte_len });
+        tensors.push(GgufTensorInfo {
+            name,
+            dims,
+            ggml_type,
+            dtype,
+            offset,
+            byte_len,
+        });
     }
     let header_end = c.pos as u64;
     let data_offset = header_end
@@ -451,7 +556,10 @@ fn parse(b: &[u8]) -> Result<(u32, u64, u64, BTreeMap<String, GgufValue>, Vec<Gg
         let (a, b2) = (&tensors[w[0]], &tensors[w[1]]);
         // In bounds was checked above, so the sum cannot overflow.
         if b2.offset < a.offset.saturating_add(a.byte_len) {
-            return Err(GgufError::TensorOverlap { first: a.name.clone(), second: b2.name.clone() });
+            return Err(GgufError::TensorOverlap {
+                first: a.name.clone(),
+                second: b2.name.clone(),
+            });
         }
     }
     Ok((version, alignment, data_offset, meta, tensors))
@@ -459,7 +567,10 @@ fn parse(b: &[u8]) -> Result<(u32, u64, u64, BTreeMap<String, GgufValue>, Vec<Gg
 
 impl GgufFile {
     pub fn open(path: &Path) -> Result<GgufFile, GgufError> {
-        let io = |source| GgufError::Io { path: path.to_path_buf(), source };
+        let io = |source| GgufError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
         let file = std::fs::File::open(path).map_err(io)?;
         let len = file.metadata().map_err(io)?.len();
         let storage = if len < 4096 {
@@ -479,7 +590,14 @@ impl GgufFile {
 
     fn from_storage(storage: Storage) -> Result<GgufFile, GgufError> {
         let (version, alignment, data_offset, metadata, tensors) = parse(storage.bytes())?;
-        Ok(GgufFile { storage, version, alignment, data_offset, metadata, tensors })
+        Ok(GgufFile {
+            storage,
+            version,
+            alignment,
+            data_offset,
+            metadata,
+            tensors,
+        })
     }
 
     pub fn version(&self) -> u32 {
@@ -526,7 +644,12 @@ impl GgufFile {
         let tensors = self
             .tensors
             .iter()
-            .map(|t| SourceTensor { name: t.name.clone(), shape: t.shape(), dtype: t.dtype, bytes: self.tensor_data(t) })
+            .map(|t| SourceTensor {
+                name: t.name.clone(),
+                shape: t.shape(),
+                dtype: t.dtype,
+                bytes: self.tensor_data(t),
+            })
             .collect();
         let mut details = BTreeMap::new();
         details.insert("gguf_version".to_string(), self.version.to_string());
@@ -563,7 +686,11 @@ impl GgufFile {
 }
 
 fn wrong(key: &str, expected: &'static str, v: &GgufValue) -> GgufError {
-    GgufError::WrongKeyType { key: key.to_string(), expected, found: v.type_name().to_string() }
+    GgufError::WrongKeyType {
+        key: key.to_string(),
+        expected,
+        found: v.type_name().to_string(),
+    }
 }
 
 pub(crate) fn get_u64(meta: &BTreeMap<String, GgufValue>, key: &str) -> Result<Option<u64>, GgufError> {
@@ -594,8 +721,8 @@ fn req_u64(meta: &BTreeMap<String, GgufValue>, key: &str) -> Result<u64, GgufErr
 /// `ArchConfig` from GGUF metadata (llama.cpp key names) and the tensor list (tied LM head =
 /// no `output.weight`).
 pub fn arch_from_gguf(meta: &BTreeMap<String, GgufValue>, tensors: &[GgufTensorInfo]) -> Result<ArchConfig, GgufError> {
-    let arch = get_str(meta, "general.architecture")?
-        .ok_or_else(|| GgufError::MissingKey("general.architecture".into()))?;
+    let arch =
+        get_str(meta, "general.architecture")?.ok_or_else(|| GgufError::MissingKey("general.architecture".into()))?;
     let family = match arch {
         "llama" => Family::Llama,
         "smollm3" => Family::Smollm3,
@@ -610,7 +737,11 @@ pub fn arch_from_gguf(meta: &BTreeMap<String, GgufValue>, tensors: &[GgufTensorI
         // Some converters write one length per layer; all equal for the supported families.
         Some(GgufValue::Array(a)) => {
             let vals: Option<Vec<u64>> = a.iter().map(|v| v.as_u64()).collect();
-            let vals = vals.ok_or_else(|| wrong(&k("feed_forward_length"), "unsigned integer", &a[0]))?;
+            let vals = vals.ok_or_else(|| GgufError::WrongKeyType {
+                key: k("feed_forward_length"),
+                expected: "unsigned integer or array of unsigned integer",
+                found: "array with other values".to_string(),
+            })?;
             match vals.first() {
                 Some(&f) if vals.iter().all(|&x| x == f) => f,
                 _ => {
@@ -667,7 +798,11 @@ pub fn arch_from_gguf(meta: &BTreeMap<String, GgufValue>, tensors: &[GgufTensorI
         rms_norm_eps,
         max_position_embeddings,
         tie_word_embeddings,
-        rope: RopeConfig { theta, local_theta: None, scaling },
+        rope: RopeConfig {
+            theta,
+            local_theta: None,
+            scaling,
+        },
         no_rope_layers: Vec::new(),
         layer_attention: Vec::new(),
         sliding_window: None,
@@ -690,9 +825,17 @@ pub fn arch_from_gguf(meta: &BTreeMap<String, GgufValue>, tensors: &[GgufTensorI
             cfg.hidden_act = "gelu_pytorch_tanh".to_string();
             cfg.sliding_window = get_u64(meta, &k("attention.sliding_window"))?;
             // llama.cpp's Gemma 3 pattern: five sliding-window layers, then one global.
-            let pattern = get_u64(meta, &k("attention.sliding_window_pattern"))?.unwrap_or(6).max(1);
+            let pattern = get_u64(meta, &k("attention.sliding_window_pattern"))?
+                .unwrap_or(6)
+                .max(1);
             cfg.layer_attention = (0..layers_capped)
-                .map(|l| if (l + 1) % pattern == 0 { LayerAttention::Full } else { LayerAttention::SlidingWindow })
+                .map(|l| {
+                    if (l + 1) % pattern == 0 {
+                        LayerAttention::Full
+                    } else {
+                        LayerAttention::SlidingWindow
+                    }
+                })
                 .collect();
             cfg.rope.local_theta = Some(get_f64(meta, &k("rope.freq_base_swa"))?.unwrap_or(10_000.0));
             cfg.query_pre_attn_scalar = Some(head_dim as f64);
@@ -702,8 +845,57 @@ pub fn arch_from_gguf(meta: &BTreeMap<String, GgufValue>, tensors: &[GgufTensorI
         Family::Olmoe => {
             let num_experts = req_u64(meta, &k("expert_count"))?;
             let top_k = req_u64(meta, &k("expert_used_count"))?;
-            cfg.moe = Some(MoeConfig { num_experts, top_k, norm_topk_prob: false });
+            cfg.moe = Some(MoeConfig {
+                num_experts,
+                top_k,
+                norm_topk_prob: false,
+            });
         }
     }
     Ok(cfg)
+}
+
+/// llama.cpp's HF→GGUF converter permutes the rows of Llama-family Q and K projections for its
+/// RoPE layout (`reshape(n_head, 2, hd/2, ..).swapaxes(1, 2)`); transformers undoes it on load.
+/// For row `hf_row` of the Hugging Face layout of a `[rows, in]` Q/K weight with `n_head` heads
+/// (`n_kv_heads` for K), this gives the GGUF row that holds it, or `None` if the shape does not
+/// split into heads of even size or `hf_row` is out of range.
+pub fn llama_qk_gguf_row(hf_row: u64, rows: u64, n_head: u64) -> Option<u64> {
+    if n_head == 0 || rows % n_head != 0 || hf_row >= rows {
+        return None;
+    }
+    let hd = rows / n_head;
+    if hd % 2 != 0 {
+        return None;
+    }
+    let half = hd / 2;
+    let (h, r) = (hf_row / hd, hf_row % hd);
+    let (i, j) = (r / half, r % half);
+    Some(h * hd + 2 * j + i)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qk_unpermute_inverts_llama_cpp_permute() {
+        // llama.cpp permute on row indices: hf rows [n_head, 2, hd/2] -> gguf rows [n_head, hd/2, 2].
+        let (n_head, hd) = (3u64, 8u64);
+        let rows = n_head * hd;
+        let mut gguf_of_hf = vec![0u64; rows as usize];
+        for h in 0..n_head {
+            for i in 0..2 {
+                for j in 0..hd / 2 {
+                    gguf_of_hf[(h * hd + i * hd / 2 + j) as usize] = h * hd + j * 2 + i;
+                }
+            }
+        }
+        for r in 0..rows {
+            assert_eq!(llama_qk_gguf_row(r, rows, n_head), Some(gguf_of_hf[r as usize]));
+        }
+        assert_eq!(llama_qk_gguf_row(0, 10, 3), None);
+        assert_eq!(llama_qk_gguf_row(24, 24, 3), None);
+        assert_eq!(llama_qk_gguf_row(0, 9, 3), None);
+    }
 }

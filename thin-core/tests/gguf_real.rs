@@ -57,13 +57,22 @@ fn metadata_matches_reference() {
     assert_eq!(a.rope.theta, m["rope_freq_base"].as_f64().unwrap());
     assert!((a.rms_norm_eps - m["rms_eps"].as_f64().unwrap()).abs() < 1e-12);
     assert_eq!(a.tie_word_embeddings, !m["has_output_weight"].as_bool().unwrap());
-    assert_eq!(sm.tokenizer.bos_token_id, Some(m["bos_token_id"].as_u64().unwrap() as u32));
-    assert_eq!(sm.tokenizer.eos_token_ids, vec![m["eos_token_id"].as_u64().unwrap() as u32]);
+    assert_eq!(
+        sm.tokenizer.bos_token_id,
+        Some(m["bos_token_id"].as_u64().unwrap() as u32)
+    );
+    assert_eq!(
+        sm.tokenizer.eos_token_ids,
+        vec![m["eos_token_id"].as_u64().unwrap() as u32]
+    );
     assert_eq!(sm.tokenizer.add_bos, m["add_bos_token"].as_bool().unwrap());
     let tmpl = sm.tokenizer.chat_template.as_deref().expect("chat template");
     assert!(tmpl.contains("<|im_start|>"));
     assert_eq!(sm.details["gguf_version"], "3");
-    assert_eq!(sm.details["general.file_type"], m["file_type"].as_u64().unwrap().to_string());
+    assert_eq!(
+        sm.details["general.file_type"],
+        m["file_type"].as_u64().unwrap().to_string()
+    );
     for (ty, n) in m["tensor_type_counts"].as_object().unwrap() {
         assert_eq!(sm.source_config["tensor_types"][ty], *n, "{ty}");
     }
@@ -77,13 +86,26 @@ fn decode_matches_gguf_py() {
     let f = GgufFile::open(&model_path()).expect("open");
     for rt in r["tensors"].as_array().unwrap() {
         let name = rt["name"].as_str().unwrap();
-        let t = f.tensor_infos().iter().find(|t| t.name == name).unwrap_or_else(|| panic!("{name} missing"));
+        let t = f
+            .tensor_infos()
+            .iter()
+            .find(|t| t.name == name)
+            .unwrap_or_else(|| panic!("{name} missing"));
         assert_eq!(t.ggml_type as u64, rt["ggml_type"].as_u64().unwrap(), "{name}");
-        let dims: Vec<u64> = rt["dims"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).collect();
+        let dims: Vec<u64> = rt["dims"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap())
+            .collect();
         assert_eq!(t.dims, dims, "{name}");
         let bytes = f.tensor_data(t);
         assert_eq!(bytes.len() as u64, rt["n_bytes"].as_u64().unwrap(), "{name}");
-        assert_eq!(blake3::hash(bytes).to_hex().as_str(), rt["blake3"].as_str().unwrap(), "{name} raw bytes");
+        assert_eq!(
+            blake3::hash(bytes).to_hex().as_str(),
+            rt["blake3"].as_str().unwrap(),
+            "{name} raw bytes"
+        );
         let n = rt["n_elements"].as_u64().unwrap() as usize;
         let mut out = vec![0f32; n];
         let t0 = std::time::Instant::now();
@@ -105,7 +127,12 @@ fn decode_matches_gguf_py() {
         let stride = rt["stride"].as_u64().unwrap() as usize;
         for (k, v) in rt["strided"].as_array().unwrap().iter().enumerate() {
             let v = v.as_f64().unwrap();
-            assert!(close(out[k * stride], v), "{name}[{}] = {} want {v}", k * stride, out[k * stride]);
+            assert!(
+                close(out[k * stride], v),
+                "{name}[{}] = {} want {v}",
+                k * stride,
+                out[k * stride]
+            );
         }
         let sum: f64 = out.iter().map(|&x| x as f64).sum();
         let sq: f64 = out.iter().map(|&x| (x as f64) * (x as f64)).sum();
@@ -123,13 +150,50 @@ fn tokenizer_loads_and_encodes() {
     assert_eq!(tk.get_vocab_size(true), 49152);
     assert_eq!(tk.token_to_id("<|im_start|>"), Some(1));
     assert_eq!(tk.token_to_id("<|im_end|>"), Some(2));
-    for text in ["Hello, world!", "The capital of France is Paris.", "<|im_start|>user\nWhat is 2+2?<|im_end|>\n"] {
+    for text in [
+        "Hello, world!",
+        "The capital of France is Paris.",
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n",
+    ] {
         let enc = tk.encode(text, false).expect("encode");
         assert!(!enc.get_ids().is_empty());
         let dec = tk.decode(enc.get_ids(), false).expect("decode");
         assert_eq!(dec, text);
         eprintln!("{text:?} -> {:?}", enc.get_ids());
     }
+    // SmolLM2 was trained with digits split one by one; its vocab has no multi-digit merges, so
+    // the plain ByteLevel pre-tokenizer of transformers' GGUF converter gives the same ids.
+    let enc = tk.encode("12345", false).unwrap();
+    assert_eq!(enc.get_ids().len(), 5, "{:?}", enc.get_ids());
     let enc = tk.encode("<|im_start|>user", false).unwrap();
     assert_eq!(enc.get_ids()[0], 1, "special token is one id");
+}
+
+/// Random blocks of every block format (incl. the K-quants SmolLM2 does not use), dequantized by
+/// gguf-py: must match bit for bit. Needs only the fixture, not the model file.
+#[test]
+fn synthetic_blocks_match_gguf_py() {
+    let r = reference();
+    let blocks = r["synthetic_blocks"].as_array().expect("synthetic_blocks");
+    assert_eq!(blocks.len(), 6);
+    for b in blocks {
+        let ty = b["ggml_type"].as_u64().unwrap() as u32;
+        let dtype = thin_core::gguf::dtype_from_ggml(ty).expect("known type");
+        let hex = b["bytes_hex"].as_str().unwrap();
+        let bytes: Vec<u8> = (0..hex.len() / 2)
+            .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
+            .collect();
+        let want: Vec<f64> = b["values"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        let mut out = vec![0f32; want.len()];
+        decode_to_f32(dtype, &bytes, &mut out).expect("decode");
+        for (i, (&o, &w)) in out.iter().zip(&want).enumerate() {
+            // serde_json's float parsing may be off by an ulp of f64; rounding to f32 is exact.
+            assert_eq!(o.to_bits(), (w as f32).to_bits(), "{} [{i}]: {o} vs {w}", dtype.name());
+        }
+    }
 }

@@ -41,7 +41,10 @@ fn token_id(meta: &BTreeMap<String, GgufValue>, key: &str, vocab: usize) -> Resu
     match get_u64(meta, key)? {
         None => Ok(None),
         Some(id) if id < vocab as u64 => Ok(Some(id as u32)),
-        Some(id) => Err(GgufError::BadValue { key: key.to_string(), reason: format!("token id {id} >= vocab size {vocab}") }),
+        Some(id) => Err(GgufError::BadValue {
+            key: key.to_string(),
+            reason: format!("token id {id} >= vocab size {vocab}"),
+        }),
     }
 }
 
@@ -94,7 +97,10 @@ pub fn tokenizer_from_gguf(meta: &BTreeMap<String, GgufValue>) -> Result<Tokeniz
     let mut merge_list = Vec::with_capacity(merges.len());
     for m in &merges {
         let Some((a, b)) = m.split_once(' ') else {
-            return Err(GgufError::BadValue { key: "tokenizer.ggml.merges".into(), reason: format!("merge {m:?} has no space") });
+            return Err(GgufError::BadValue {
+                key: "tokenizer.ggml.merges".into(),
+                reason: format!("merge {m:?} has no space"),
+            });
         };
         merge_list.push(json!([a, b]));
     }
@@ -151,7 +157,13 @@ pub fn tokenizer_from_gguf(meta: &BTreeMap<String, GgufValue>) -> Result<Tokeniz
         }
     };
     let chat_template = get_str(meta, "tokenizer.chat_template")?.map(str::to_string);
-    Ok(TokenizerInfo { tokenizer_json, chat_template, bos_token_id, eos_token_ids: eos.into_iter().collect(), add_bos })
+    Ok(TokenizerInfo {
+        tokenizer_json,
+        chat_template,
+        bos_token_id,
+        eos_token_ids: eos.into_iter().collect(),
+        add_bos,
+    })
 }
 
 #[cfg(test)]
@@ -162,7 +174,10 @@ mod tests {
         let s = |v: &str| GgufValue::String(v.to_string());
         let mut toks: Vec<String> = Vec::new();
         // All 256 byte-level symbols so any text encodes.
-        let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+        let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32)
+            .chain(0xA1..=0xAC)
+            .chain(0xAE..=0xFF)
+            .collect();
         let mut cs = bs.clone();
         let mut n = 0;
         for b in 0..256u32 {
@@ -184,9 +199,15 @@ mod tests {
         types[last] = GgufValue::I32(3);
         let mut m = BTreeMap::new();
         m.insert("tokenizer.ggml.model".into(), s("gpt2"));
-        m.insert("tokenizer.ggml.tokens".into(), GgufValue::Array(toks.iter().map(|t| s(t)).collect()));
+        m.insert(
+            "tokenizer.ggml.tokens".into(),
+            GgufValue::Array(toks.iter().map(|t| s(t)).collect()),
+        );
         m.insert("tokenizer.ggml.token_type".into(), GgufValue::Array(types));
-        m.insert("tokenizer.ggml.merges".into(), GgufValue::Array(vec![s("h e"), s("l l"), s("he ll")]));
+        m.insert(
+            "tokenizer.ggml.merges".into(),
+            GgufValue::Array(vec![s("h e"), s("l l"), s("he ll")]),
+        );
         m.insert("tokenizer.ggml.bos_token_id".into(), GgufValue::U32(last as u32));
         m.insert("tokenizer.ggml.eos_token_id".into(), GgufValue::U32(last as u32));
         m.insert("tokenizer.chat_template".into(), s("{{ messages }}"));
