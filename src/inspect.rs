@@ -75,6 +75,11 @@ pub fn to_json(a: &Archive) -> Value {
             })
         })
         .collect();
+    let pages: Vec<Value> = a
+        .pages()
+        .iter()
+        .map(|p| json!({"page_id": p.page_id, "flags": p.flags, "offset": p.offset, "stored_size": p.stored_size, "raw_size": p.raw_size}))
+        .collect();
     json!({
         "header": {
             "header_len": h.header_len, "version": h.version, "manifest_off": h.manifest_off,
@@ -95,6 +100,7 @@ pub fn to_json(a: &Archive) -> Value {
         },
         "source": m.source,
         "tensors": tensors,
+        "pages": pages,
     })
 }
 
