@@ -235,3 +235,110 @@ fn source_with_unknown_tensor_fails_naming_it() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("model.layers.0.mystery.weight"));
     assert!(!out.exists());
 }
+
+/// A committed fixture directory, or `None` (with a note) when this checkout lacks it.
+fn fixture_dir(name: &str) -> Option<PathBuf> {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny").join(name);
+    if p.join("config.json").is_file() {
+        Some(p)
+    } else {
+        eprintln!("skipping: {} not present", p.display());
+        None
+    }
+}
+
+/// f32 values of one tensor of a fixture's model.safetensors.
+fn source_f32(dir: &Path, name: &str) -> Vec<f32> {
+    let bytes = std::fs::read(dir.join("model.safetensors")).expect("read");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse");
+    let t = st.tensor(name).expect("tensor");
+    assert_eq!(t.dtype(), Dtype::F32, "{name}");
+    t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+fn convert_dir(src: &Path, out: &Path, profile: &str) {
+    let o = thin(&["convert", src.to_str().expect("utf8"), "-o", out.to_str().expect("utf8"), "--quiet", "--profile", profile]);
+    assert!(o.status.success(), "convert {}: {}", src.display(), String::from_utf8_lossy(&o.stderr));
+    let v = thin(&["verify", out.to_str().expect("utf8")]);
+    assert!(v.status.success(), "verify {}: {}", out.display(), String::from_utf8_lossy(&v.stderr));
+}
+
+#[test]
+fn fixtures_of_every_family_convert_and_verify() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    for name in ["llama-tiny", "smollm3-tiny", "gemma3-tiny", "olmoe-tiny"] {
+        let Some(dir) = fixture_dir(name) else { continue };
+        for profile in ["bf16", "f32"] {
+            convert_dir(&dir, &tmp.path().join(format!("{name}.{profile}.thin")), profile);
+        }
+    }
+}
+
+#[test]
+fn gemma_fixture_norms_are_stored_as_one_plus_w() {
+    use thin_core::format::Archive;
+    use thin_core::role::Role;
+    let Some(dir) = fixture_dir("gemma3-tiny") else { return };
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let out = tmp.path().join("g.thin");
+    convert_dir(&dir, &out, "f32");
+    let a = Archive::open(&out).expect("open");
+    for (role, hf) in [
+        (Role::AttnNorm, "input_layernorm"),
+        (Role::AttnPostNorm, "post_attention_layernorm"),
+        (Role::FfnNorm, "pre_feedforward_layernorm"),
+        (Role::FfnPostNorm, "post_feedforward_layernorm"),
+        (Role::AttnQNorm, "self_attn.q_norm"),
+        (Role::AttnKNorm, "self_attn.k_norm"),
+    ] {
+        let src = source_f32(&dir, &format!("model.layers.1.{hf}.weight"));
+        let got = a.tensor_f32(role, Some(1)).expect("tensor");
+        let want: Vec<f32> = src.iter().map(|w| 1.0 + w).collect();
+        assert_eq!(got, &want[..], "{role:?}");
+    }
+    let q = a.tensor_f32(Role::AttnQ, Some(0)).expect("q");
+    assert_eq!(q, &source_f32(&dir, "model.layers.0.self_attn.q_proj.weight")[..], "projections are not folded");
+}
+
+#[test]
+fn olmoe_fixture_experts_are_stacked_in_order() {
+    use thin_core::format::Archive;
+    use thin_core::role::Role;
+    let Some(dir) = fixture_dir("olmoe-tiny") else { return };
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let out = tmp.path().join("o.thin");
+    convert_dir(&dir, &out, "f32");
+    let a = Archive::open(&out).expect("open");
+    let experts = a.manifest().arch.moe.as_ref().expect("moe").num_experts;
+    for (role, hf) in [(Role::MoeGate, "gate_proj"), (Role::MoeUp, "up_proj"), (Role::MoeDown, "down_proj")] {
+        let want: Vec<f32> =
+            (0..experts).flat_map(|e| source_f32(&dir, &format!("model.layers.1.mlp.experts.{e}.{hf}.weight"))).collect();
+        assert_eq!(a.tensor_f32(role, Some(1)).expect("stacked"), &want[..], "{role:?}");
+        let entry = a.manifest().tensor(role, Some(1)).expect("entry");
+        assert_eq!(entry.shape[0], experts);
+        assert!(entry.exact_storage_preserved);
+    }
+}
+
+/// The real SmolLM2 GGUF (Q4_1), when it has been downloaded: converts, verifies, and Q/K keep
+/// their HF shapes.
+#[test]
+fn real_gguf_converts_when_present() {
+    let p = match std::env::var_os("THIN_SMOLLM2_GGUF") {
+        Some(p) => PathBuf::from(p),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    };
+    if !p.is_file() {
+        eprintln!("skipping: {} not present", p.display());
+        return;
+    }
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let out = tmp.path().join("smol.thin");
+    convert_dir(&p, &out, "bf16");
+    let j = inspect_json(&out);
+    let tensors = j["tensors"].as_array().expect("tensors");
+    let q = tensors.iter().find(|t| t["name"] == "blk.0.attn_q").expect("attn_q");
+    assert_eq!(q["shape"], serde_json::json!([576, 576]));
+    assert_eq!(q["source_dtype"], "Q4_1");
+    assert_eq!(q["exact_storage_preserved"], false);
+}
