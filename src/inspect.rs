@@ -15,7 +15,10 @@ fn hex(b: &[u8]) -> String {
 }
 
 /// (count, bytes) per key.
-fn totals<'a>(m: &'a Manifest, key: impl Fn(&'a thin_core::manifest::TensorEntry) -> &'a str) -> BTreeMap<&'a str, (u64, u64)> {
+fn totals<'a>(
+    m: &'a Manifest,
+    key: impl Fn(&'a thin_core::manifest::TensorEntry) -> &'a str,
+) -> BTreeMap<&'a str, (u64, u64)> {
     let mut out: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
     for t in &m.tensors {
         let e = out.entry(key(t)).or_default();
@@ -109,7 +112,14 @@ pub fn to_text(a: &Archive) -> String {
     let m = a.manifest();
     let c = &m.arch;
     let mut s = String::new();
-    let _ = writeln!(s, "archive   version {}, {} bytes, {} pages, hash {}", h.version, a.file_len(), h.page_count, hex(&h.archive_hash));
+    let _ = writeln!(
+        s,
+        "archive   version {}, {} bytes, {} pages, hash {}",
+        h.version,
+        a.file_len(),
+        h.page_count,
+        hex(&h.archive_hash)
+    );
     let _ = writeln!(
         s,
         "          manifest {}+{}, page table {}, data {}",
@@ -119,10 +129,21 @@ pub fn to_text(a: &Archive) -> String {
     let _ = writeln!(
         s,
         "dims      vocab {} hidden {} layers {} heads {} kv_heads {} head_dim {} intermediate {} tied {}",
-        c.vocab_size, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.tie_word_embeddings
+        c.vocab_size,
+        c.hidden_size,
+        c.num_layers,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.intermediate_size,
+        c.tie_word_embeddings
     );
     if let Some(moe) = &c.moe {
-        let _ = writeln!(s, "moe       experts {} top_k {} norm_topk_prob {}", moe.num_experts, moe.top_k, moe.norm_topk_prob);
+        let _ = writeln!(
+            s,
+            "moe       experts {} top_k {} norm_topk_prob {}",
+            moe.num_experts, moe.top_k, moe.norm_topk_prob
+        );
     }
     let _ = write!(s, "rope      theta {}", c.rope.theta);
     if let Some(l) = c.rope.local_theta {

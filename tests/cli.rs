@@ -51,8 +51,11 @@ fn write_model(dir: &Path) {
     });
     std::fs::write(dir.join("config.json"), config.to_string()).expect("config");
     std::fs::write(dir.join("tokenizer.json"), TOKENIZER).expect("tokenizer");
-    std::fs::write(dir.join("tokenizer_config.json"), r#"{"bos_token":"<s>","eos_token":"</s>","chat_template":"{{ messages }}"}"#)
-        .expect("tokenizer_config");
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        r#"{"bos_token":"<s>","eos_token":"</s>","chat_template":"{{ messages }}"}"#,
+    )
+    .expect("tokenizer_config");
 
     let mut specs: Vec<(String, Vec<usize>, bool)> = vec![
         ("model.embed_tokens.weight".into(), vec![VOCAB, HIDDEN], true),
@@ -86,10 +89,8 @@ fn write_model(dir: &Path) {
             }
         })
         .collect();
-    let views: Vec<(String, TensorView<'_>)> = data
-        .iter()
-        .map(|(n, s, d, b)| (n.clone(), TensorView::new(*d, s.clone(), b).expect("view")))
-        .collect();
+    let views: Vec<(String, TensorView<'_>)> =
+        data.iter().map(|(n, s, d, b)| (n.clone(), TensorView::new(*d, s.clone(), b).expect("view"))).collect();
     let bytes = safetensors::tensor::serialize(views, None).expect("serialize");
     std::fs::write(dir.join("model.safetensors"), bytes).expect("weights");
 }
@@ -213,7 +214,8 @@ fn missing_source_is_a_clear_error_and_writes_nothing() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.starts_with("error:") && err.contains("no-such-model"), "{err}");
     assert!(!out.exists());
-    let leftovers: Vec<_> = std::fs::read_dir(&f.root).expect("ls").filter_map(Result::ok).map(|e| e.file_name()).collect();
+    let leftovers: Vec<_> =
+        std::fs::read_dir(&f.root).expect("ls").filter_map(Result::ok).map(|e| e.file_name()).collect();
     assert_eq!(leftovers.len(), 1, "only the model dir should exist: {leftovers:?}");
 }
 
@@ -257,7 +259,15 @@ fn source_f32(dir: &Path, name: &str) -> Vec<f32> {
 }
 
 fn convert_dir(src: &Path, out: &Path, profile: &str) {
-    let o = thin(&["convert", src.to_str().expect("utf8"), "-o", out.to_str().expect("utf8"), "--quiet", "--profile", profile]);
+    let o = thin(&[
+        "convert",
+        src.to_str().expect("utf8"),
+        "-o",
+        out.to_str().expect("utf8"),
+        "--quiet",
+        "--profile",
+        profile,
+    ]);
     assert!(o.status.success(), "convert {}: {}", src.display(), String::from_utf8_lossy(&o.stderr));
     let v = thin(&["verify", out.to_str().expect("utf8")]);
     assert!(v.status.success(), "verify {}: {}", out.display(), String::from_utf8_lossy(&v.stderr));
@@ -311,8 +321,9 @@ fn olmoe_fixture_experts_are_stacked_in_order() {
     let a = Archive::open(&out).expect("open");
     let experts = a.manifest().arch.moe.as_ref().expect("moe").num_experts;
     for (role, hf) in [(Role::MoeGate, "gate_proj"), (Role::MoeUp, "up_proj"), (Role::MoeDown, "down_proj")] {
-        let want: Vec<f32> =
-            (0..experts).flat_map(|e| source_f32(&dir, &format!("model.layers.1.mlp.experts.{e}.{hf}.weight"))).collect();
+        let want: Vec<f32> = (0..experts)
+            .flat_map(|e| source_f32(&dir, &format!("model.layers.1.mlp.experts.{e}.{hf}.weight")))
+            .collect();
         assert_eq!(a.tensor_f32(role, Some(1)).expect("stacked"), &want[..], "{role:?}");
         let entry = a.manifest().tensor(role, Some(1)).expect("entry");
         assert_eq!(entry.shape[0], experts);

@@ -85,7 +85,9 @@ pub enum Transform {
     /// Gemma `(1 + w)` norm weights, folded once so the engine multiplies by `w` only.
     AddOne,
     /// Undo llama.cpp's rotary row interleave on Q/K (`n_head` heads).
-    UnpermuteRows { n_head: u64 },
+    UnpermuteRows {
+        n_head: u64,
+    },
 }
 
 /// One tensor of the archive, with the source tensors it is made from.
@@ -171,19 +173,26 @@ fn order_key(role: Role, layer: Option<u32>) -> (u64, Role) {
     }
 }
 
+/// A layer's experts of one role (HF OLMoE stores one tensor per expert): layer, expert -> tensor.
+type ExpertSlot<'s, 'a> = (Option<u32>, BTreeMap<u32, &'s SourceTensor<'a>>);
+
 fn build_jobs<'s, 'a>(model: &'s SourceModel<'a>) -> Result<Vec<Job<'s, 'a>>, ConvertError> {
     let arch = &model.arch;
     let family = arch.family;
     let mut singles: BTreeMap<(u64, Role), Job<'s, 'a>> = BTreeMap::new();
     // (key) -> expert -> tensor, for HF OLMoE's one-tensor-per-expert layout.
-    let mut experts: BTreeMap<(u64, Role), (Option<u32>, BTreeMap<u32, &'s SourceTensor<'a>>)> = BTreeMap::new();
+    let mut experts: BTreeMap<(u64, Role), ExpertSlot<'s, 'a>> = BTreeMap::new();
     for t in &model.tensors {
         let NameMatch::Tensor { role, layer, expert } = names::resolve(family, model.kind, &t.name)? else {
             continue;
         };
         if let Some(l) = layer {
             if u64::from(l) >= arch.num_layers {
-                return Err(ConvertError::LayerOutOfRange { tensor: t.name.clone(), layer: l, num_layers: arch.num_layers });
+                return Err(ConvertError::LayerOutOfRange {
+                    tensor: t.name.clone(),
+                    layer: l,
+                    num_layers: arch.num_layers,
+                });
             }
         }
         let key = order_key(role, layer);
@@ -220,7 +229,8 @@ fn build_jobs<'s, 'a>(model: &'s SourceModel<'a>) -> Result<Vec<Job<'s, 'a>>, Co
     for (key, (layer, by_expert)) in experts {
         let role = key.1;
         let canonical = role.tensor_name(layer);
-        let missing: Vec<u32> = (0..num_experts).filter_map(|e| u32::try_from(e).ok()).filter(|e| !by_expert.contains_key(e)).collect();
+        let missing: Vec<u32> =
+            (0..num_experts).filter_map(|e| u32::try_from(e).ok()).filter(|e| !by_expert.contains_key(e)).collect();
         if !missing.is_empty() || by_expert.len() as u64 != num_experts {
             return Err(ConvertError::MissingExperts { canonical, missing, num_experts });
         }
@@ -252,14 +262,14 @@ fn build_jobs<'s, 'a>(model: &'s SourceModel<'a>) -> Result<Vec<Job<'s, 'a>>, Co
     }
     // Completeness and shapes, before anything is written.
     let roles = names::family_roles(family);
-    let mut required: Vec<(Role, Option<u32>)> = roles
-        .global
-        .iter()
-        .filter(|r| **r != Role::LmHead || !arch.tie_word_embeddings)
-        .map(|r| (*r, None))
-        .collect();
+    let mut required: Vec<(Role, Option<u32>)> =
+        roles.global.iter().filter(|r| **r != Role::LmHead || !arch.tie_word_embeddings).map(|r| (*r, None)).collect();
     for l in 0..arch.num_layers {
-        let l = u32::try_from(l).map_err(|_| ConvertError::LayerOutOfRange { tensor: String::new(), layer: u32::MAX, num_layers: arch.num_layers })?;
+        let l = u32::try_from(l).map_err(|_| ConvertError::LayerOutOfRange {
+            tensor: String::new(),
+            layer: u32::MAX,
+            num_layers: arch.num_layers,
+        })?;
         required.extend(roles.per_layer.iter().map(|r| (*r, Some(l))));
     }
     for (role, layer) in required {
@@ -316,10 +326,8 @@ fn encode_parallel(src: &[f32], f: fn(&[f32], &mut Vec<u8>)) -> Vec<u8> {
 /// The stored bytes of one job, and whether they are the source bytes unchanged.
 fn produce(job: &Job<'_, '_>, method: QuantMethod) -> Result<(Vec<u8>, bool), ConvertError> {
     let storage = method.storage_dtype();
-    let same_encoding = matches!(
-        (job.source_dtype, storage),
-        (SourceDType::Bf16, DType::Bf16) | (SourceDType::F32, DType::F32)
-    );
+    let same_encoding =
+        matches!((job.source_dtype, storage), (SourceDType::Bf16, DType::Bf16) | (SourceDType::F32, DType::F32));
     if same_encoding && job.transform == Transform::None {
         return Ok((job.parts.iter().flat_map(|p| p.bytes.iter().copied()).collect(), true));
     }
@@ -334,7 +342,12 @@ fn produce(job: &Job<'_, '_>, method: QuantMethod) -> Result<(Vec<u8>, bool), Co
         Transform::UnpermuteRows { n_head } => {
             let (rows, cols) = match job.shape.as_slice() {
                 [r, c] => (*r as usize, *c as usize),
-                _ => return Err(ConvertError::Transform { tensor: job.source_name.clone(), what: "Q/K unpermute needs a matrix".into() }),
+                _ => {
+                    return Err(ConvertError::Transform {
+                        tensor: job.source_name.clone(),
+                        what: "Q/K unpermute needs a matrix".into(),
+                    })
+                }
             };
             values = unpermute_qk_rows(&values, rows, cols, n_head as usize)
                 .map_err(|what| ConvertError::Transform { tensor: job.source_name.clone(), what })?;
@@ -352,7 +365,7 @@ fn produce(job: &Job<'_, '_>, method: QuantMethod) -> Result<(Vec<u8>, bool), Co
 
 enum Opened {
     Gguf(GgufFile, String),
-    Hf(HfDir),
+    Hf(Box<HfDir>),
 }
 
 fn open_source(src: &Path) -> Result<Opened, ConvertError> {
@@ -360,7 +373,7 @@ fn open_source(src: &Path) -> Result<Opened, ConvertError> {
         return Err(ConvertError::SourceNotFound { path: src.to_path_buf() });
     }
     if src.is_dir() {
-        return Ok(Opened::Hf(HfDir::open(src)?));
+        return Ok(Opened::Hf(Box::new(HfDir::open(src)?)));
     }
     let is_gguf = src.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
         || std::fs::File::open(src)
@@ -388,7 +401,12 @@ pub fn convert(src: &Path, out: &Path, opts: &ConvertOptions) -> Result<ConvertR
 }
 
 /// Convert an already opened source model.
-pub fn convert_model(model: &SourceModel<'_>, out: &Path, opts: &ConvertOptions, start: Instant) -> Result<ConvertReport, ConvertError> {
+pub fn convert_model(
+    model: &SourceModel<'_>,
+    out: &Path,
+    opts: &ConvertOptions,
+    start: Instant,
+) -> Result<ConvertReport, ConvertError> {
     let jobs = build_jobs(model)?;
     let inputs: Vec<PlanInput<'_>> = jobs
         .iter()
@@ -398,7 +416,9 @@ pub fn convert_model(model: &SourceModel<'_>, out: &Path, opts: &ConvertOptions,
     let total_src: u64 = jobs.iter().flat_map(|j| &j.parts).map(|p| p.bytes.len() as u64).sum();
     let bar = if opts.progress {
         let b = indicatif::ProgressBar::new(total_src);
-        if let Ok(style) = indicatif::ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} {msg}") {
+        if let Ok(style) =
+            indicatif::ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} {msg}")
+        {
             b.set_style(style);
         }
         b
@@ -439,9 +459,17 @@ pub fn convert_model(model: &SourceModel<'_>, out: &Path, opts: &ConvertOptions,
         tokenizer: model.tokenizer.clone(),
         tensors: Vec::new(),
         quantization: QuantizationDescriptor::for_profile(opts.profile, plan, model.source_config.clone()),
-        backend_hints: BackendHints { alignment: PAGE_ALIGNMENT, max_page_size: max_page_size.saturating_mul(4), layouts },
+        backend_hints: BackendHints {
+            alignment: PAGE_ALIGNMENT,
+            max_page_size: max_page_size.saturating_mul(4),
+            layouts,
+        },
         validation: Validation { parameter_count: 0, tensor_count: 0, tensor_blake3: BTreeMap::new() },
-        source: SourceInfo { kind: model.kind.name().to_string(), files: model.files.clone(), details: model.details.clone() },
+        source: SourceInfo {
+            kind: model.kind.name().to_string(),
+            files: model.files.clone(),
+            details: model.details.clone(),
+        },
     };
     let output = writer.finish(manifest)?;
     let seconds = start.elapsed().as_secs_f64();
@@ -499,9 +527,21 @@ mod tests {
         fold_add_one(&mut w);
         assert_eq!(w, vec![1.0, 0.0, 1.5]);
         let arch = test_arch(Family::Gemma3);
-        for role in [Role::AttnNorm, Role::AttnQNorm, Role::AttnKNorm, Role::AttnPostNorm, Role::FfnNorm, Role::FfnPostNorm, Role::OutputNorm] {
+        for role in [
+            Role::AttnNorm,
+            Role::AttnQNorm,
+            Role::AttnKNorm,
+            Role::AttnPostNorm,
+            Role::FfnNorm,
+            Role::FfnPostNorm,
+            Role::OutputNorm,
+        ] {
             assert_eq!(transform_for(SourceKind::Safetensors, &arch, role), Transform::AddOne, "{role:?}");
-            assert_eq!(transform_for(SourceKind::Gguf, &arch, role), Transform::None, "{role:?}: llama.cpp already folded");
+            assert_eq!(
+                transform_for(SourceKind::Gguf, &arch, role),
+                Transform::None,
+                "{role:?}: llama.cpp already folded"
+            );
         }
         assert_eq!(transform_for(SourceKind::Safetensors, &arch, Role::AttnQ), Transform::None);
         let llama = test_arch(Family::Llama);
@@ -531,7 +571,11 @@ mod tests {
             query_pre_attn_scalar: None,
             final_logit_softcap: None,
             attn_logit_softcap: None,
-            moe: (family == Family::Olmoe).then_some(crate::arch::MoeConfig { num_experts: 2, top_k: 1, norm_topk_prob: false }),
+            moe: (family == Family::Olmoe).then_some(crate::arch::MoeConfig {
+                num_experts: 2,
+                top_k: 1,
+                norm_topk_prob: false,
+            }),
             hidden_act: "silu".into(),
         }
     }
@@ -569,7 +613,13 @@ mod tests {
         let model = SourceModel {
             kind: SourceKind::Safetensors,
             arch,
-            tokenizer: crate::manifest::TokenizerInfo { tokenizer_json: String::new(), chat_template: None, bos_token_id: None, eos_token_ids: vec![], add_bos: false },
+            tokenizer: crate::manifest::TokenizerInfo {
+                tokenizer_json: String::new(),
+                chat_template: None,
+                bos_token_id: None,
+                eos_token_ids: vec![],
+                add_bos: false,
+            },
             tensors: ts,
             files: vec![],
             details: BTreeMap::new(),

@@ -89,7 +89,8 @@ const HF_PREFIX_ALIASES: &[(&str, &str)] = &[
 ];
 
 /// Prefixes of a multimodal checkpoint's vision side, which a text engine does not read.
-const HF_IGNORED_PREFIXES: &[&str] = &["vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector."];
+const HF_IGNORED_PREFIXES: &[&str] =
+    &["vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector."];
 
 const GGUF_LLAMA: Table = &[
     ("token_embd.weight", Role::TokenEmbd),
@@ -269,9 +270,8 @@ pub fn resolve(family: Family, kind: SourceKind, name: &str) -> Result<NameMatch
             if HF_IGNORED_PREFIXES.iter().any(|p| name.starts_with(p)) {
                 return Ok(NameMatch::Ignored);
             }
-            let aliased = HF_PREFIX_ALIASES
-                .iter()
-                .find_map(|(from, to)| name.strip_prefix(from).map(|r| format!("{to}{r}")));
+            let aliased =
+                HF_PREFIX_ALIASES.iter().find_map(|(from, to)| name.strip_prefix(from).map(|r| format!("{to}{r}")));
             (HF_IGNORED, aliased.map_or(std::borrow::Cow::Borrowed(name), std::borrow::Cow::Owned))
         }
         SourceKind::Gguf => (GGUF_IGNORED, std::borrow::Cow::Borrowed(name)),
@@ -316,8 +316,8 @@ mod tests {
                     let NameMatch::Tensor { role: got, layer, expert } = m else { panic!("{name} ignored") };
                     assert_eq!(got, *role, "{name}");
                     assert_eq!(layer, role.is_per_layer().then_some(17), "{name}");
-                    let unstacked_expert = kind == SourceKind::Safetensors
-                        && matches!(got, Role::MoeGate | Role::MoeUp | Role::MoeDown);
+                    let unstacked_expert =
+                        kind == SourceKind::Safetensors && matches!(got, Role::MoeGate | Role::MoeUp | Role::MoeDown);
                     assert_eq!(expert, unstacked_expert.then_some(5), "{name}");
                 }
                 // Nothing in a table is outside the family's role set.
@@ -348,14 +348,21 @@ mod tests {
         );
         assert_eq!(resolve(Family::Llama, SourceKind::Gguf, "rope_freqs.weight"), Ok(NameMatch::Ignored));
         assert_eq!(
-            resolve(Family::Gemma3, SourceKind::Safetensors, "vision_tower.vision_model.embeddings.patch_embedding.weight"),
+            resolve(
+                Family::Gemma3,
+                SourceKind::Safetensors,
+                "vision_tower.vision_model.embeddings.patch_embedding.weight"
+            ),
             Ok(NameMatch::Ignored)
         );
     }
 
     #[test]
     fn multimodal_gemma_prefixes_map_to_text_names() {
-        for name in ["language_model.model.layers.2.self_attn.q_norm.weight", "model.language_model.layers.2.self_attn.q_norm.weight"] {
+        for name in [
+            "language_model.model.layers.2.self_attn.q_norm.weight",
+            "model.language_model.layers.2.self_attn.q_norm.weight",
+        ] {
             assert_eq!(
                 resolve(Family::Gemma3, SourceKind::Safetensors, name),
                 Ok(NameMatch::Tensor { role: Role::AttnQNorm, layer: Some(2), expert: None })

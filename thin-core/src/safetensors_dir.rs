@@ -155,7 +155,8 @@ pub fn parse_header(file: &str, bytes: &[u8]) -> Result<Vec<TensorInfo>, Safeten
             field,
             msg: msg.to_string(),
         };
-        let dtype_s = v.get("dtype").and_then(Value::as_str).ok_or_else(|| field_err("dtype", "missing or not a string"))?;
+        let dtype_s =
+            v.get("dtype").and_then(Value::as_str).ok_or_else(|| field_err("dtype", "missing or not a string"))?;
         let dtype = parse_dtype(dtype_s).ok_or_else(|| SafetensorsError::UnsupportedDtype {
             file: file.to_string(),
             tensor: name.clone(),
@@ -186,10 +187,21 @@ pub fn parse_header(file: &str, bytes: &[u8]) -> Result<Vec<TensorInfo>, Safeten
             shape: shape.clone(),
         })?;
         if begin > end || end > data_len {
-            return Err(SafetensorsError::OffsetsOutOfFile { file: file.to_string(), tensor: name, begin, end, data_len });
+            return Err(SafetensorsError::OffsetsOutOfFile {
+                file: file.to_string(),
+                tensor: name,
+                begin,
+                end,
+                data_len,
+            });
         }
         if end - begin != expected {
-            return Err(SafetensorsError::SizeMismatch { file: file.to_string(), tensor: name, expected, got: end - begin });
+            return Err(SafetensorsError::SizeMismatch {
+                file: file.to_string(),
+                tensor: name,
+                expected,
+                got: end - begin,
+            });
         }
         out.push(TensorInfo { name, dtype, shape, start: data_start + begin, end: data_start + end });
     }
@@ -210,7 +222,8 @@ pub fn parse_header(file: &str, bytes: &[u8]) -> Result<Vec<TensorInfo>, Safeten
 impl SafetensorsFile {
     pub fn open(path: &Path) -> Result<SafetensorsFile, SafetensorsError> {
         let io = |source| SafetensorsError::Io { path: path.to_path_buf(), source };
-        let file_name = path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
+        let file_name =
+            path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
         let f = File::open(path).map_err(io)?;
         let len = f.metadata().map_err(io)?.len();
         if len < 8 {
@@ -241,7 +254,8 @@ pub struct HfDir {
 }
 
 fn read_json(path: &Path) -> Result<Value, SafetensorsError> {
-    let text = std::fs::read_to_string(path).map_err(|source| SafetensorsError::Io { path: path.to_path_buf(), source })?;
+    let text =
+        std::fs::read_to_string(path).map_err(|source| SafetensorsError::Io { path: path.to_path_buf(), source })?;
     serde_json::from_str(&text).map_err(|source| SafetensorsError::Json { path: path.to_path_buf(), source })
 }
 
@@ -291,16 +305,23 @@ pub fn arch_from_config(path: &Path, config: &Value) -> Result<ArchConfig, Safet
         "llama" => (Family::Llama, config),
         "smollm3" => (Family::Smollm3, config),
         "gemma3_text" => (Family::Gemma3, config),
-        "gemma3" => (Family::Gemma3, config.get("text_config").ok_or_else(|| top.err("text_config", "missing for model_type gemma3"))?),
+        "gemma3" => (
+            Family::Gemma3,
+            config.get("text_config").ok_or_else(|| top.err("text_config", "missing for model_type gemma3"))?,
+        ),
         "olmoe" => (Family::Olmoe, config),
-        other => return Err(SafetensorsError::UnsupportedModel { path: path.to_path_buf(), model_type: other.to_string() }),
+        other => {
+            return Err(SafetensorsError::UnsupportedModel { path: path.to_path_buf(), model_type: other.to_string() })
+        }
     };
     let c = Cfg { path, v: text };
     let hidden_size = c.u64("hidden_size")?;
     let num_layers = c.u64("num_hidden_layers")?;
     let num_heads = c.u64("num_attention_heads")?;
     if num_heads == 0 || num_layers == 0 || hidden_size == 0 {
-        return Err(c.err("num_attention_heads", "hidden_size, num_hidden_layers and num_attention_heads must be positive"));
+        return Err(
+            c.err("num_attention_heads", "hidden_size, num_hidden_layers and num_attention_heads must be positive")
+        );
     }
     let num_kv_heads = c.u64_opt("num_key_value_heads")?.unwrap_or(num_heads);
     if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
@@ -343,8 +364,12 @@ pub fn arch_from_config(path: &Path, config: &Value) -> Result<ArchConfig, Safet
                 "llama3" => Some(RopeScaling {
                     rope_type: ty.to_string(),
                     factor: factor()?,
-                    low_freq_factor: r.f64_opt("low_freq_factor")?.ok_or_else(|| c.err("rope_scaling.low_freq_factor", "missing"))?,
-                    high_freq_factor: r.f64_opt("high_freq_factor")?.ok_or_else(|| c.err("rope_scaling.high_freq_factor", "missing"))?,
+                    low_freq_factor: r
+                        .f64_opt("low_freq_factor")?
+                        .ok_or_else(|| c.err("rope_scaling.low_freq_factor", "missing"))?,
+                    high_freq_factor: r
+                        .f64_opt("high_freq_factor")?
+                        .ok_or_else(|| c.err("rope_scaling.high_freq_factor", "missing"))?,
                     original_max_position_embeddings: r
                         .u64_opt("original_max_position_embeddings")?
                         .ok_or_else(|| c.err("rope_scaling.original_max_position_embeddings", "missing"))?,
@@ -357,7 +382,9 @@ pub fn arch_from_config(path: &Path, config: &Value) -> Result<ArchConfig, Safet
                     high_freq_factor: 0.0,
                     original_max_position_embeddings: 0,
                 }),
-                other => return Err(c.err("rope_scaling.rope_type", &format!("`{other}` is not supported (llama3, linear)"))),
+                other => {
+                    return Err(c.err("rope_scaling.rope_type", &format!("`{other}` is not supported (llama3, linear)")))
+                }
             }
         }
     };
@@ -502,9 +529,10 @@ fn read_tokenizer(dir: &Path, config: &Value) -> Result<TokenizerInfo, Safetenso
     if !tok_path.is_file() {
         return Err(SafetensorsError::MissingFile { path: tok_path });
     }
-    let tokenizer_json = std::fs::read_to_string(&tok_path).map_err(|source| SafetensorsError::Io { path: tok_path.clone(), source })?;
-    let tok: Value =
-        serde_json::from_str(&tokenizer_json).map_err(|source| SafetensorsError::Json { path: tok_path.clone(), source })?;
+    let tokenizer_json =
+        std::fs::read_to_string(&tok_path).map_err(|source| SafetensorsError::Io { path: tok_path.clone(), source })?;
+    let tok: Value = serde_json::from_str(&tokenizer_json)
+        .map_err(|source| SafetensorsError::Json { path: tok_path.clone(), source })?;
     let tc_path = dir.join("tokenizer_config.json");
     let tc = read_json_opt(&tc_path)?.unwrap_or(Value::Null);
     let gen = read_json_opt(&dir.join("generation_config.json"))?.unwrap_or(Value::Null);
@@ -552,7 +580,9 @@ fn read_tokenizer(dir: &Path, config: &Value) -> Result<TokenizerInfo, Safetenso
     let add_bos = match tc.get("add_bos_token").and_then(Value::as_bool) {
         Some(b) => b,
         None => match (bos_text, tok.get("post_processor")) {
-            (Some(b), Some(pp)) if !pp.is_null() => pp.to_string().contains(&serde_json::to_string(b).unwrap_or_default()),
+            (Some(b), Some(pp)) if !pp.is_null() => {
+                pp.to_string().contains(&serde_json::to_string(b).unwrap_or_default())
+            }
             _ => false,
         },
     };
@@ -592,7 +622,11 @@ fn open_shards(dir: &Path) -> Result<Vec<SafetensorsFile>, SafetensorsError> {
         let f = SafetensorsFile::open(&dir.join(file))?;
         for t in tensors {
             if !f.tensors.iter().any(|x| x.name == t) {
-                return Err(SafetensorsError::IndexMismatch { index: index_name, tensor: t.to_string(), file: file.to_string() });
+                return Err(SafetensorsError::IndexMismatch {
+                    index: index_name,
+                    tensor: t.to_string(),
+                    file: file.to_string(),
+                });
             }
         }
         files.push(f);

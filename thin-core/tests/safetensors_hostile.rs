@@ -120,15 +120,21 @@ const TOKENIZER: &str = r#"{"version":"1.0","added_tokens":[{"id":0,"content":"<
 fn write_dir(dir: &Path, config: &str) {
     std::fs::write(dir.join("config.json"), config).expect("config");
     std::fs::write(dir.join("tokenizer.json"), TOKENIZER).expect("tok");
-    std::fs::write(dir.join("tokenizer_config.json"), r#"{"bos_token":"<s>","eos_token":{"content":"</s>"},"chat_template":[{"name":"default","template":"T"}]}"#)
-        .expect("tc");
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        r#"{"bos_token":"<s>","eos_token":{"content":"</s>"},"chat_template":[{"name":"default","template":"T"}]}"#,
+    )
+    .expect("tc");
 }
 
 #[test]
 fn dir_without_config_or_weights() {
     let d = tempfile::tempdir().expect("tempdir");
     assert!(matches!(HfDir::open(d.path()), Err(SafetensorsError::MissingFile { .. })));
-    write_dir(d.path(), r#"{"model_type":"llama","hidden_size":8,"num_hidden_layers":1,"num_attention_heads":2,"intermediate_size":16,"vocab_size":3}"#);
+    write_dir(
+        d.path(),
+        r#"{"model_type":"llama","hidden_size":8,"num_hidden_layers":1,"num_attention_heads":2,"intermediate_size":16,"vocab_size":3}"#,
+    );
     let e = HfDir::open(d.path()).expect_err("no weights");
     assert!(e.to_string().contains("model.safetensors"), "{e}");
     assert!(matches!(HfDir::open(&d.path().join("nope")), Err(SafetensorsError::NotADirectory { .. })));
@@ -149,20 +155,33 @@ fn unsupported_model_type_and_bad_keys() {
 #[test]
 fn shard_index_hostile_names_and_mismatch() {
     let d = tempfile::tempdir().expect("tempdir");
-    write_dir(d.path(), r#"{"model_type":"llama","hidden_size":8,"num_hidden_layers":1,"num_attention_heads":2,"intermediate_size":16,"vocab_size":3}"#);
-    std::fs::write(d.path().join("model.safetensors.index.json"), r#"{"weight_map":{"a":"../../etc/passwd"}}"#).expect("index");
+    write_dir(
+        d.path(),
+        r#"{"model_type":"llama","hidden_size":8,"num_hidden_layers":1,"num_attention_heads":2,"intermediate_size":16,"vocab_size":3}"#,
+    );
+    std::fs::write(d.path().join("model.safetensors.index.json"), r#"{"weight_map":{"a":"../../etc/passwd"}}"#)
+        .expect("index");
     assert!(matches!(HfDir::open(d.path()), Err(SafetensorsError::BadShardName { .. })));
     let h = r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#;
     std::fs::write(d.path().join("s1.safetensors"), file(h, 4)).expect("s1");
     std::fs::write(d.path().join("s2.safetensors"), file(h, 4)).expect("s2");
-    std::fs::write(d.path().join("model.safetensors.index.json"), r#"{"weight_map":{"a":"s1.safetensors","b":"s2.safetensors"}}"#).expect("index");
+    std::fs::write(
+        d.path().join("model.safetensors.index.json"),
+        r#"{"weight_map":{"a":"s1.safetensors","b":"s2.safetensors"}}"#,
+    )
+    .expect("index");
     assert!(matches!(HfDir::open(d.path()), Err(SafetensorsError::IndexMismatch { .. })));
-    std::fs::write(d.path().join("model.safetensors.index.json"), r#"{"weight_map":{"a":"s1.safetensors"}}"#).expect("index");
+    std::fs::write(d.path().join("model.safetensors.index.json"), r#"{"weight_map":{"a":"s1.safetensors"}}"#)
+        .expect("index");
     let ok = HfDir::open(d.path()).expect("one shard");
     assert_eq!(ok.source_model().expect("model").tensors.len(), 1);
     let h2 = r#"{"b":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#;
     std::fs::write(d.path().join("s2.safetensors"), file(h2, 8)).expect("s2");
-    std::fs::write(d.path().join("model.safetensors.index.json"), r#"{"weight_map":{"a":"s1.safetensors","b":"s2.safetensors"}}"#).expect("index");
+    std::fs::write(
+        d.path().join("model.safetensors.index.json"),
+        r#"{"weight_map":{"a":"s1.safetensors","b":"s2.safetensors"}}"#,
+    )
+    .expect("index");
     assert!(matches!(HfDir::open(d.path()), Err(SafetensorsError::DuplicateAcrossShards { .. })));
 }
 
@@ -170,7 +189,10 @@ fn shard_index_hostile_names_and_mismatch() {
 fn configs_of_each_family() {
     let d = tempfile::tempdir().expect("tempdir");
     std::fs::write(d.path().join("model.safetensors"), file("{}", 0)).expect("weights");
-    write_dir(d.path(), r#"{"model_type":"smollm3","hidden_size":8,"num_hidden_layers":4,"num_attention_heads":2,"num_key_value_heads":1,"intermediate_size":16,"vocab_size":3,"no_rope_layers":[1,1,0,1],"rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}}"#);
+    write_dir(
+        d.path(),
+        r#"{"model_type":"smollm3","hidden_size":8,"num_hidden_layers":4,"num_attention_heads":2,"num_key_value_heads":1,"intermediate_size":16,"vocab_size":3,"no_rope_layers":[1,1,0,1],"rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}}"#,
+    );
     let h = HfDir::open(d.path()).expect("smollm3");
     assert_eq!(h.arch.family, Family::Smollm3);
     assert_eq!(h.arch.no_rope_layers, vec![2]);
@@ -179,10 +201,16 @@ fn configs_of_each_family() {
     assert_eq!(h.tokenizer.bos_token_id, Some(0));
     assert_eq!(h.tokenizer.eos_token_ids, vec![1]);
     assert_eq!(h.tokenizer.chat_template.as_deref(), Some("T"));
-    write_dir(d.path(), r#"{"model_type":"smollm3","hidden_size":8,"num_hidden_layers":8,"num_attention_heads":2,"intermediate_size":16,"vocab_size":3}"#);
+    write_dir(
+        d.path(),
+        r#"{"model_type":"smollm3","hidden_size":8,"num_hidden_layers":8,"num_attention_heads":2,"intermediate_size":16,"vocab_size":3}"#,
+    );
     assert_eq!(HfDir::open(d.path()).expect("interval").arch.no_rope_layers, vec![3, 7]);
 
-    write_dir(d.path(), r#"{"model_type":"gemma3","text_config":{"model_type":"gemma3_text","hidden_size":8,"num_hidden_layers":6,"num_attention_heads":2,"head_dim":16,"intermediate_size":16,"vocab_size":3,"sliding_window":512,"query_pre_attn_scalar":16,"rope_local_base_freq":10000.0,"rope_theta":1000000.0,"final_logit_softcapping":null}}"#);
+    write_dir(
+        d.path(),
+        r#"{"model_type":"gemma3","text_config":{"model_type":"gemma3_text","hidden_size":8,"num_hidden_layers":6,"num_attention_heads":2,"head_dim":16,"intermediate_size":16,"vocab_size":3,"sliding_window":512,"query_pre_attn_scalar":16,"rope_local_base_freq":10000.0,"rope_theta":1000000.0,"final_logit_softcapping":null}}"#,
+    );
     let g = HfDir::open(d.path()).expect("gemma3");
     assert_eq!(g.arch.family, Family::Gemma3);
     assert_eq!(g.arch.layer_attention(5), LayerAttention::Full);
@@ -192,7 +220,10 @@ fn configs_of_each_family() {
     assert_eq!(g.arch.hidden_act, "gelu_pytorch_tanh");
     assert!(g.arch.tie_word_embeddings);
 
-    write_dir(d.path(), r#"{"model_type":"olmoe","hidden_size":8,"num_hidden_layers":1,"num_attention_heads":2,"intermediate_size":4,"vocab_size":3,"num_experts":4,"num_experts_per_tok":2,"norm_topk_prob":false}"#);
+    write_dir(
+        d.path(),
+        r#"{"model_type":"olmoe","hidden_size":8,"num_hidden_layers":1,"num_attention_heads":2,"intermediate_size":4,"vocab_size":3,"num_experts":4,"num_experts_per_tok":2,"norm_topk_prob":false}"#,
+    );
     let o = HfDir::open(d.path()).expect("olmoe");
     assert_eq!(o.arch.moe.as_ref().map(|m| (m.num_experts, m.top_k)), Some((4, 2)));
     assert!(!o.arch.tie_word_embeddings);
