@@ -1,1 +1,119 @@
-fn main() {}
+//! `thin`: convert checkpoints into `.thin` archives, inspect and verify them (and, later, run them).
+
+mod inspect;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+use thin_core::convert::{convert, ConvertOptions};
+use thin_core::format::Archive;
+use thin_core::quant::Profile;
+
+#[derive(Parser)]
+#[command(name = "thin", version, about = "ThinTensor: shape-specialized inference engines")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ProfileArg {
+    Bf16,
+    F32,
+}
+
+impl From<ProfileArg> for Profile {
+    fn from(p: ProfileArg) -> Profile {
+        match p {
+            ProfileArg::Bf16 => Profile::Bf16,
+            ProfileArg::F32 => Profile::F32,
+        }
+    }
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Convert a Hugging Face safetensors directory or a .gguf file into a .thin archive.
+    Convert {
+        /// A model directory (config.json, *.safetensors, tokenizer.json) or a .gguf file.
+        src: PathBuf,
+        /// Output archive.
+        #[arg(short, long)]
+        out: PathBuf,
+        #[arg(long, value_enum, default_value = "bf16")]
+        profile: ProfileArg,
+        /// No progress bar or summary.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Print an archive's header, architecture, tokenizer, tensors and quantization plan.
+    Inspect {
+        file: PathBuf,
+        /// One JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check every page checksum of an archive.
+    Verify { file: PathBuf },
+    // `thin run` joins here.
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Convert { src, out, profile, quiet } => {
+            let opts = ConvertOptions { profile: profile.into(), progress: !quiet };
+            let r = convert(&src, &out, &opts)
+                .with_context(|| format!("converting {} to {}", src.display(), out.display()))?;
+            if !quiet {
+                println!(
+                    "wrote {}: {} tensors, {} bytes in {:.2} s ({:.2} GB/s)",
+                    r.output.display(),
+                    r.tensors,
+                    r.bytes_written,
+                    r.seconds,
+                    r.gb_per_s
+                );
+            }
+            Ok(())
+        }
+        Command::Inspect { file, json } => {
+            let a = Archive::open(&file).with_context(|| format!("opening {}", file.display()))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&inspect::to_json(&a))?);
+            } else {
+                print!("{}", inspect::to_text(&a));
+            }
+            Ok(())
+        }
+        Command::Verify { file } => {
+            let start = Instant::now();
+            let a = Archive::open(&file).with_context(|| format!("opening {}", file.display()))?;
+            let r = a.verify().with_context(|| format!("verifying {}", file.display()))?;
+            let s = start.elapsed().as_secs_f64();
+            let gbs = if s > 0.0 { r.bytes as f64 / s / 1e9 } else { 0.0 };
+            println!(
+                "ok: {}: {} pages, {} tensors, {} bytes verified in {:.3} s ({:.2} GB/s)",
+                file.display(),
+                r.pages,
+                r.tensors,
+                r.bytes,
+                s,
+                gbs
+            );
+            Ok(())
+        }
+    }
+}

@@ -1,1 +1,647 @@
 //! `thin convert`: source model -> quantization plan -> folded, re-laid-out tensors -> `.thin` archive.
+//!
+//! Everything that can fail on the source (names, shapes, missing tensors, dtypes) is checked
+//! before the output file is created, so a bad source never leaves anything behind.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+use crate::arch::{ArchConfig, Family};
+use crate::codec::{self, CodecError};
+use crate::dtype::{DType, SourceDType};
+use crate::format::{ArchiveWriter, FormatError};
+use crate::gguf::{GgufError, GgufFile};
+use crate::manifest::{BackendHints, Manifest, SourceInfo, TensorEntry, Validation, MANIFEST_FORMAT};
+use crate::names::{self, NameError, NameMatch};
+use crate::quant::{plan_quantization, PlanInput, Profile, QuantMethod, QuantizationDescriptor};
+use crate::role::Role;
+use crate::safetensors_dir::{HfDir, SafetensorsError};
+use crate::source::{SourceKind, SourceModel, SourceTensor};
+
+/// Page alignment the archive writer uses (DESIGN: 4 KiB at least); recorded as a backend hint.
+pub const PAGE_ALIGNMENT: u64 = 4096;
+
+/// Elements decoded per rayon task: large enough to amortise scheduling, small enough to spread
+/// a single tensor over every core.
+const CHUNK_ELEMS: u64 = 1 << 16;
+
+#[derive(Debug, Clone)]
+pub struct ConvertOptions {
+    pub profile: Profile,
+    pub progress: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct ConvertReport {
+    pub output: PathBuf,
+    pub tensors: usize,
+    /// Bytes of tensor data written.
+    pub bytes_written: u64,
+    pub seconds: f64,
+    pub gb_per_s: f64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConvertError {
+    #[error("{path}: no such file or directory")]
+    SourceNotFound { path: PathBuf },
+    #[error("{path}: neither a .gguf file nor a Hugging Face model directory")]
+    UnknownSource { path: PathBuf },
+    #[error(transparent)]
+    Safetensors(#[from] SafetensorsError),
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error(transparent)]
+    Name(#[from] NameError),
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    #[error("tensor `{tensor}`: decoding {dtype}: {source}")]
+    Codec { tensor: String, dtype: &'static str, source: CodecError },
+    #[error("tensor `{tensor}` ({role} layer {layer:?}): shape {got:?}, the config says {expected:?}")]
+    Shape { tensor: String, role: &'static str, layer: Option<u32>, expected: Vec<u64>, got: Vec<u64> },
+    #[error("tensors `{first}` and `{second}` both map to {canonical}")]
+    DuplicateRole { canonical: String, first: String, second: String },
+    #[error("tensor `{tensor}`: layer {layer} is past num_layers {num_layers}")]
+    LayerOutOfRange { tensor: String, layer: u32, num_layers: u64 },
+    #[error("missing tensor {canonical} ({family} needs it)")]
+    MissingTensor { canonical: String, family: &'static str },
+    #[error("{canonical}: experts {missing:?} missing (num_experts {num_experts})")]
+    MissingExperts { canonical: String, missing: Vec<u32>, num_experts: u64 },
+    #[error("{canonical}: experts mix dtypes/shapes ({first} vs {other})")]
+    MixedExperts { canonical: String, first: String, other: String },
+    #[error("tensor `{tensor}`: {what}")]
+    Transform { tensor: String, what: String },
+    #[error("{canonical}: storage method {method:?} has no encoder yet")]
+    UnsupportedMethod { canonical: String, method: QuantMethod },
+}
+
+/// A constant transform applied on f32 values after decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transform {
+    None,
+    /// Gemma `(1 + w)` norm weights, folded once so the engine multiplies by `w` only.
+    AddOne,
+    /// Undo llama.cpp's rotary row interleave on Q/K (`n_head` heads).
+    UnpermuteRows {
+        n_head: u64,
+    },
+}
+
+/// One tensor of the archive, with the source tensors it is made from.
+#[derive(Debug)]
+struct Job<'s, 'a> {
+    canonical: String,
+    role: Role,
+    layer: Option<u32>,
+    shape: Vec<u64>,
+    source_dtype: SourceDType,
+    source_name: String,
+    /// One tensor, or one per expert (in expert order) when experts are stacked.
+    parts: Vec<&'s SourceTensor<'a>>,
+    transform: Transform,
+}
+
+/// Inverse of llama.cpp's `permute`: `w.reshape(n_head, 2, rows/n_head/2, cols).swapaxes(1, 2)`.
+/// GGUF row `h*hd + 2j + i` holds HF row `h*hd + i*hd/2 + j`.
+pub fn unpermute_qk_rows(w: &[f32], rows: usize, cols: usize, n_head: usize) -> Result<Vec<f32>, String> {
+    if n_head == 0 || rows % (2 * n_head) != 0 || w.len() != rows * cols {
+        return Err(format!("cannot unpermute {rows}x{cols} rows over {n_head} heads"));
+    }
+    let hd = rows / n_head;
+    let half = hd / 2;
+    let mut out = vec![0f32; w.len()];
+    out.par_chunks_mut(cols).enumerate().for_each(|(hf_row, dst)| {
+        let (h, r) = (hf_row / hd, hf_row % hd);
+        let (i, j) = (r / half, r % half);
+        let src = h * hd + 2 * j + i;
+        dst.copy_from_slice(&w[src * cols..(src + 1) * cols]);
+    });
+    Ok(out)
+}
+
+/// Gemma 3 RMSNorm multiplies by `1 + w`; store the sum.
+pub fn fold_add_one(w: &mut [f32]) {
+    w.iter_mut().for_each(|x| *x += 1.0);
+}
+
+/// The shape a role must have under `arch`, when the config decides it.
+pub fn expected_shape(arch: &ArchConfig, role: Role) -> Vec<u64> {
+    let (h, q, kv) = (arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim);
+    let (i, e) = (arch.intermediate_size, arch.moe.as_ref().map_or(0, |m| m.num_experts));
+    // OLMoE normalises the whole Q/K projection; Gemma 3 normalises per head.
+    let (qn, kn) = match arch.family {
+        Family::Olmoe => (q, kv),
+        Family::Llama | Family::Smollm3 | Family::Gemma3 => (arch.head_dim, arch.head_dim),
+    };
+    match role {
+        Role::TokenEmbd | Role::LmHead => vec![arch.vocab_size, h],
+        Role::OutputNorm | Role::AttnNorm | Role::AttnPostNorm | Role::FfnNorm | Role::FfnPostNorm => vec![h],
+        Role::AttnQ => vec![q, h],
+        Role::AttnK | Role::AttnV => vec![kv, h],
+        Role::AttnO => vec![h, q],
+        Role::AttnQNorm => vec![qn],
+        Role::AttnKNorm => vec![kn],
+        Role::FfnGate | Role::FfnUp => vec![i, h],
+        Role::FfnDown => vec![h, i],
+        Role::MoeRouter => vec![e, h],
+        Role::MoeGate | Role::MoeUp => vec![e, i, h],
+        Role::MoeDown => vec![e, h, i],
+    }
+}
+
+fn transform_for(kind: SourceKind, arch: &ArchConfig, role: Role) -> Transform {
+    match (kind, arch.family) {
+        (SourceKind::Safetensors, Family::Gemma3) if role.is_norm() => Transform::AddOne,
+        (SourceKind::Gguf, Family::Llama | Family::Smollm3) => match role {
+            Role::AttnQ => Transform::UnpermuteRows { n_head: arch.num_heads },
+            Role::AttnK => Transform::UnpermuteRows { n_head: arch.num_kv_heads },
+            _ => Transform::None,
+        },
+        _ => Transform::None,
+    }
+}
+
+/// Archive order: token embedding, then layer by layer in role order, then the output side.
+fn order_key(role: Role, layer: Option<u32>) -> (u64, Role) {
+    match (role, layer) {
+        (_, Some(l)) => (u64::from(l) + 1, role),
+        (Role::TokenEmbd, None) => (0, role),
+        (_, None) => (u64::MAX, role),
+    }
+}
+
+/// A layer's experts of one role (HF OLMoE stores one tensor per expert): layer, expert -> tensor.
+type ExpertSlot<'s, 'a> = (Option<u32>, BTreeMap<u32, &'s SourceTensor<'a>>);
+
+fn build_jobs<'s, 'a>(model: &'s SourceModel<'a>) -> Result<Vec<Job<'s, 'a>>, ConvertError> {
+    let arch = &model.arch;
+    let family = arch.family;
+    let mut singles: BTreeMap<(u64, Role), Job<'s, 'a>> = BTreeMap::new();
+    // (key) -> expert -> tensor, for HF OLMoE's one-tensor-per-expert layout.
+    let mut experts: BTreeMap<(u64, Role), ExpertSlot<'s, 'a>> = BTreeMap::new();
+    for t in &model.tensors {
+        let NameMatch::Tensor { role, layer, expert } = names::resolve(family, model.kind, &t.name)? else {
+            continue;
+        };
+        if let Some(l) = layer {
+            if u64::from(l) >= arch.num_layers {
+                return Err(ConvertError::LayerOutOfRange {
+                    tensor: t.name.clone(),
+                    layer: l,
+                    num_layers: arch.num_layers,
+                });
+            }
+        }
+        let key = order_key(role, layer);
+        if let Some(e) = expert {
+            let slot = experts.entry(key).or_insert_with(|| (layer, BTreeMap::new()));
+            if let Some(prev) = slot.1.insert(e, t) {
+                return Err(ConvertError::DuplicateRole {
+                    canonical: format!("{} expert {e}", role.tensor_name(layer)),
+                    first: prev.name.clone(),
+                    second: t.name.clone(),
+                });
+            }
+            continue;
+        }
+        let job = Job {
+            canonical: role.tensor_name(layer),
+            role,
+            layer,
+            shape: t.shape.clone(),
+            source_dtype: t.dtype,
+            source_name: t.name.clone(),
+            parts: vec![t],
+            transform: transform_for(model.kind, arch, role),
+        };
+        if let Some(prev) = singles.insert(key, job) {
+            return Err(ConvertError::DuplicateRole {
+                canonical: role.tensor_name(layer),
+                first: prev.source_name,
+                second: t.name.clone(),
+            });
+        }
+    }
+    let num_experts = arch.moe.as_ref().map_or(0, |m| m.num_experts);
+    for (key, (layer, by_expert)) in experts {
+        let role = key.1;
+        let canonical = role.tensor_name(layer);
+        let missing: Vec<u32> =
+            (0..num_experts).filter_map(|e| u32::try_from(e).ok()).filter(|e| !by_expert.contains_key(e)).collect();
+        if !missing.is_empty() || by_expert.len() as u64 != num_experts {
+            return Err(ConvertError::MissingExperts { canonical, missing, num_experts });
+        }
+        let parts: Vec<&SourceTensor<'a>> = by_expert.into_values().collect();
+        let first = parts[0];
+        if let Some(odd) = parts.iter().find(|p| p.dtype != first.dtype || p.shape != first.shape) {
+            return Err(ConvertError::MixedExperts {
+                canonical,
+                first: format!("{} {} {:?}", first.name, first.dtype.name(), first.shape),
+                other: format!("{} {} {:?}", odd.name, odd.dtype.name(), odd.shape),
+            });
+        }
+        let mut shape = vec![num_experts];
+        shape.extend_from_slice(&first.shape);
+        let source_name = first.name.replace(".experts.0.", ".experts.{E}.");
+        let job = Job {
+            canonical: canonical.clone(),
+            role,
+            layer,
+            shape,
+            source_dtype: first.dtype,
+            source_name: source_name.clone(),
+            parts,
+            transform: transform_for(model.kind, arch, role),
+        };
+        if let Some(prev) = singles.insert(key, job) {
+            return Err(ConvertError::DuplicateRole { canonical, first: prev.source_name, second: source_name });
+        }
+    }
+    // Completeness and shapes, before anything is written.
+    let roles = names::family_roles(family);
+    let mut required: Vec<(Role, Option<u32>)> =
+        roles.global.iter().filter(|r| **r != Role::LmHead || !arch.tie_word_embeddings).map(|r| (*r, None)).collect();
+    for l in 0..arch.num_layers {
+        let l = u32::try_from(l).map_err(|_| ConvertError::LayerOutOfRange {
+            tensor: String::new(),
+            layer: u32::MAX,
+            num_layers: arch.num_layers,
+        })?;
+        required.extend(roles.per_layer.iter().map(|r| (*r, Some(l))));
+    }
+    for (role, layer) in required {
+        if !singles.contains_key(&order_key(role, layer)) {
+            return Err(ConvertError::MissingTensor { canonical: role.tensor_name(layer), family: family.name() });
+        }
+    }
+    for job in singles.values() {
+        let expected = expected_shape(arch, job.role);
+        if job.shape != expected {
+            return Err(ConvertError::Shape {
+                tensor: job.source_name.clone(),
+                role: job.role.name(),
+                layer: job.layer,
+                expected,
+                got: job.shape.clone(),
+            });
+        }
+    }
+    Ok(singles.into_values().collect())
+}
+
+/// Decode `bytes` of `dtype` into `out`, in parallel over whole-block chunks.
+fn decode_parallel(tensor: &str, dtype: SourceDType, bytes: &[u8], out: &mut [f32]) -> Result<(), ConvertError> {
+    let (per, block_bytes) = dtype.block();
+    let blocks = (CHUNK_ELEMS / per).max(1);
+    let chunk_elems = (blocks * per) as usize;
+    let chunk_bytes = (blocks * block_bytes) as usize;
+    let n = out.len() as u64;
+    if dtype.bytes_for(n) != Some(bytes.len() as u64) {
+        return Err(ConvertError::Transform {
+            tensor: tensor.to_string(),
+            what: format!("{} bytes do not hold {n} {} elements", bytes.len(), dtype.name()),
+        });
+    }
+    out.par_chunks_mut(chunk_elems)
+        .zip(bytes.par_chunks(chunk_bytes))
+        .try_for_each(|(o, b)| codec::decode_to_f32(dtype, b, o))
+        .map_err(|source| ConvertError::Codec { tensor: tensor.to_string(), dtype: dtype.name(), source })
+}
+
+fn encode_parallel(src: &[f32], f: fn(&[f32], &mut Vec<u8>)) -> Vec<u8> {
+    let parts: Vec<Vec<u8>> = src
+        .par_chunks(CHUNK_ELEMS as usize)
+        .map(|c| {
+            let mut v = Vec::new();
+            f(c, &mut v);
+            v
+        })
+        .collect();
+    parts.concat()
+}
+
+/// The stored bytes of one job, and whether they are the source bytes unchanged.
+fn produce(job: &Job<'_, '_>, method: QuantMethod) -> Result<(Vec<u8>, bool), ConvertError> {
+    let storage = method.storage_dtype();
+    let same_encoding =
+        matches!((job.source_dtype, storage), (SourceDType::Bf16, DType::Bf16) | (SourceDType::F32, DType::F32));
+    if same_encoding && job.transform == Transform::None {
+        return Ok((job.parts.iter().flat_map(|p| p.bytes.iter().copied()).collect(), true));
+    }
+    let part_elems = job.parts.first().map_or(0, |p| p.shape.iter().product::<u64>()) as usize;
+    let mut values = vec![0f32; part_elems * job.parts.len()];
+    for (p, out) in job.parts.iter().zip(values.chunks_mut(part_elems.max(1))) {
+        decode_parallel(&p.name, p.dtype, p.bytes, out)?;
+    }
+    match job.transform {
+        Transform::None => {}
+        Transform::AddOne => fold_add_one(&mut values),
+        Transform::UnpermuteRows { n_head } => {
+            let (rows, cols) = match job.shape.as_slice() {
+                [r, c] => (*r as usize, *c as usize),
+                _ => {
+                    return Err(ConvertError::Transform {
+                        tensor: job.source_name.clone(),
+                        what: "Q/K unpermute needs a matrix".into(),
+                    })
+                }
+            };
+            values = unpermute_qk_rows(&values, rows, cols, n_head as usize)
+                .map_err(|what| ConvertError::Transform { tensor: job.source_name.clone(), what })?;
+        }
+    }
+    let bytes = match method {
+        QuantMethod::F32 => encode_parallel(&values, codec::f32_to_le_bytes),
+        QuantMethod::Bf16 => encode_parallel(&values, codec::f32_to_bf16_bytes),
+        QuantMethod::Fp8RowScale | QuantMethod::Mxfp4 => {
+            return Err(ConvertError::UnsupportedMethod { canonical: job.canonical.clone(), method })
+        }
+    };
+    Ok((bytes, false))
+}
+
+enum Opened {
+    Gguf(GgufFile, String),
+    Hf(Box<HfDir>),
+}
+
+fn open_source(src: &Path) -> Result<Opened, ConvertError> {
+    if !src.exists() {
+        return Err(ConvertError::SourceNotFound { path: src.to_path_buf() });
+    }
+    if src.is_dir() {
+        return Ok(Opened::Hf(Box::new(HfDir::open(src)?)));
+    }
+    let is_gguf = src.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        || std::fs::File::open(src)
+            .and_then(|mut f| {
+                let mut m = [0u8; 4];
+                std::io::Read::read_exact(&mut f, &mut m).map(|_| m == *b"GGUF")
+            })
+            .unwrap_or(false);
+    if !is_gguf {
+        return Err(ConvertError::UnknownSource { path: src.to_path_buf() });
+    }
+    let name = src.file_name().map_or_else(|| src.display().to_string(), |n| n.to_string_lossy().into_owned());
+    Ok(Opened::Gguf(GgufFile::open(src)?, name))
+}
+
+/// Convert a `.gguf` file or a Hugging Face directory at `src` into the archive `out`.
+pub fn convert(src: &Path, out: &Path, opts: &ConvertOptions) -> Result<ConvertReport, ConvertError> {
+    let start = Instant::now();
+    let opened = open_source(src)?;
+    let model = match &opened {
+        Opened::Gguf(g, name) => g.source_model(name)?,
+        Opened::Hf(d) => d.source_model()?,
+    };
+    convert_model(&model, out, opts, start)
+}
+
+/// Convert an already opened source model.
+pub fn convert_model(
+    model: &SourceModel<'_>,
+    out: &Path,
+    opts: &ConvertOptions,
+    start: Instant,
+) -> Result<ConvertReport, ConvertError> {
+    let jobs = build_jobs(model)?;
+    let inputs: Vec<PlanInput<'_>> = jobs
+        .iter()
+        .map(|j| PlanInput { name: &j.canonical, role: j.role, layer: j.layer, source_dtype: j.source_dtype })
+        .collect();
+    let plan = plan_quantization(opts.profile, &inputs);
+    let total_src: u64 = jobs.iter().flat_map(|j| &j.parts).map(|p| p.bytes.len() as u64).sum();
+    let bar = if opts.progress {
+        let b = indicatif::ProgressBar::new(total_src);
+        if let Ok(style) =
+            indicatif::ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} {msg}")
+        {
+            b.set_style(style);
+        }
+        b
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+
+    let mut writer = ArchiveWriter::create(out)?;
+    let mut bytes_written = 0u64;
+    for (job, planned) in jobs.iter().zip(&plan) {
+        bar.set_message(job.canonical.clone());
+        let (bytes, exact) = produce(job, planned.method)?;
+        bytes_written += bytes.len() as u64;
+        let entry = TensorEntry {
+            name: job.canonical.clone(),
+            role: job.role,
+            layer: job.layer,
+            shape: job.shape.clone(),
+            dtype: planned.method.storage_dtype(),
+            first_page: 0,
+            page_count: 0,
+            byte_len: 0,
+            source_dtype: job.source_dtype,
+            source_name: job.source_name.clone(),
+            exact_storage_preserved: exact,
+        };
+        writer.add_tensor(entry, &bytes)?;
+        bar.inc(job.parts.iter().map(|p| p.bytes.len() as u64).sum());
+    }
+    bar.finish_and_clear();
+
+    let layouts = jobs.iter().map(|j| (j.role.name().to_string(), "row_major".to_string())).collect();
+    let max_page_size = jobs.iter().map(|j| j.shape.iter().product::<u64>()).max().unwrap_or(0);
+    let manifest = Manifest {
+        format: MANIFEST_FORMAT.to_string(),
+        arch: model.arch.clone(),
+        shape_fingerprint: model.arch.shape_fingerprint(),
+        tokenizer: model.tokenizer.clone(),
+        tensors: Vec::new(),
+        quantization: QuantizationDescriptor::for_profile(opts.profile, plan, model.source_config.clone()),
+        backend_hints: BackendHints {
+            alignment: PAGE_ALIGNMENT,
+            max_page_size: max_page_size.saturating_mul(4),
+            layouts,
+        },
+        validation: Validation { parameter_count: 0, tensor_count: 0, tensor_blake3: BTreeMap::new() },
+        source: SourceInfo {
+            kind: model.kind.name().to_string(),
+            files: model.files.clone(),
+            details: model.details.clone(),
+        },
+    };
+    let output = writer.finish(manifest)?;
+    let seconds = start.elapsed().as_secs_f64();
+    Ok(ConvertReport {
+        output,
+        tensors: jobs.len(),
+        bytes_written,
+        seconds,
+        gb_per_s: if seconds > 0.0 { bytes_written as f64 / seconds / 1e9 } else { 0.0 },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// llama.cpp's `permute` as written in convert_hf_to_gguf.py.
+    fn llama_cpp_permute(w: &[f32], rows: usize, cols: usize, n_head: usize) -> Vec<f32> {
+        let half = rows / n_head / 2;
+        let mut out = vec![0f32; w.len()];
+        // reshape(n_head, 2, half, cols).swapaxes(1, 2) -> (n_head, half, 2, cols)
+        for h in 0..n_head {
+            for j in 0..half {
+                for i in 0..2 {
+                    let dst = h * 2 * half + j * 2 + i;
+                    let src = h * 2 * half + i * half + j;
+                    out[dst * cols..(dst + 1) * cols].copy_from_slice(&w[src * cols..(src + 1) * cols]);
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn unpermute_inverts_llama_cpp_permute() {
+        for (n_head, hd, cols) in [(4, 8, 3), (2, 64, 5), (1, 2, 1), (3, 16, 7)] {
+            let rows = n_head * hd;
+            let w: Vec<f32> = (0..rows * cols).map(|x| x as f32).collect();
+            let p = llama_cpp_permute(&w, rows, cols, n_head);
+            if hd > 2 {
+                assert_ne!(p, w, "permute must move rows for hd {hd}");
+            }
+            let back = unpermute_qk_rows(&p, rows, cols, n_head).expect("unpermute");
+            assert_eq!(back, w);
+        }
+        // The first GGUF rows of a head interleave the two rotary halves.
+        let w: Vec<f32> = (0..8).map(|x| x as f32).collect();
+        assert_eq!(llama_cpp_permute(&w, 8, 1, 1), vec![0., 4., 1., 5., 2., 6., 3., 7.]);
+        assert!(unpermute_qk_rows(&w, 8, 1, 3).is_err());
+    }
+
+    #[test]
+    fn gemma_fold_adds_one_for_hf_gemma_only() {
+        let mut w = vec![0.0, -1.0, 0.5];
+        fold_add_one(&mut w);
+        assert_eq!(w, vec![1.0, 0.0, 1.5]);
+        let arch = test_arch(Family::Gemma3);
+        for role in [
+            Role::AttnNorm,
+            Role::AttnQNorm,
+            Role::AttnKNorm,
+            Role::AttnPostNorm,
+            Role::FfnNorm,
+            Role::FfnPostNorm,
+            Role::OutputNorm,
+        ] {
+            assert_eq!(transform_for(SourceKind::Safetensors, &arch, role), Transform::AddOne, "{role:?}");
+            assert_eq!(
+                transform_for(SourceKind::Gguf, &arch, role),
+                Transform::None,
+                "{role:?}: llama.cpp already folded"
+            );
+        }
+        assert_eq!(transform_for(SourceKind::Safetensors, &arch, Role::AttnQ), Transform::None);
+        let llama = test_arch(Family::Llama);
+        assert_eq!(transform_for(SourceKind::Safetensors, &llama, Role::AttnNorm), Transform::None);
+        assert_eq!(transform_for(SourceKind::Gguf, &llama, Role::AttnQ), Transform::UnpermuteRows { n_head: 4 });
+        assert_eq!(transform_for(SourceKind::Gguf, &llama, Role::AttnK), Transform::UnpermuteRows { n_head: 2 });
+        assert_eq!(transform_for(SourceKind::Gguf, &test_arch(Family::Olmoe), Role::AttnQ), Transform::None);
+    }
+
+    fn test_arch(family: Family) -> ArchConfig {
+        ArchConfig {
+            family,
+            vocab_size: 32,
+            hidden_size: 16,
+            num_layers: 1,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 4,
+            intermediate_size: 24,
+            rms_norm_eps: 1e-6,
+            max_position_embeddings: 64,
+            tie_word_embeddings: true,
+            rope: crate::arch::RopeConfig { theta: 10000.0, local_theta: None, scaling: None },
+            no_rope_layers: vec![],
+            layer_attention: vec![],
+            sliding_window: None,
+            query_pre_attn_scalar: None,
+            final_logit_softcap: None,
+            attn_logit_softcap: None,
+            moe: (family == Family::Olmoe).then_some(crate::arch::MoeConfig {
+                num_experts: 2,
+                top_k: 1,
+                norm_topk_prob: false,
+            }),
+            hidden_act: "silu".into(),
+        }
+    }
+
+    fn tensor(name: &str, shape: &[u64]) -> SourceTensor<'static> {
+        SourceTensor { name: name.into(), shape: shape.to_vec(), dtype: SourceDType::Bf16, bytes: &[] }
+    }
+
+    #[test]
+    fn olmoe_experts_are_stacked_in_order_and_checked() {
+        let arch = test_arch(Family::Olmoe);
+        let mut ts = vec![
+            tensor("model.embed_tokens.weight", &[32, 16]),
+            tensor("model.norm.weight", &[16]),
+            tensor("lm_head.weight", &[32, 16]),
+        ];
+        for (n, s) in [
+            ("input_layernorm", vec![16]),
+            ("self_attn.q_proj", vec![16, 16]),
+            ("self_attn.k_proj", vec![8, 16]),
+            ("self_attn.v_proj", vec![8, 16]),
+            ("self_attn.o_proj", vec![16, 16]),
+            ("self_attn.q_norm", vec![16]),
+            ("self_attn.k_norm", vec![8]),
+            ("post_attention_layernorm", vec![16]),
+            ("mlp.gate", vec![2, 16]),
+        ] {
+            ts.push(tensor(&format!("model.layers.0.{n}.weight"), &s));
+        }
+        for e in [1, 0] {
+            ts.push(tensor(&format!("model.layers.0.mlp.experts.{e}.gate_proj.weight"), &[24, 16]));
+            ts.push(tensor(&format!("model.layers.0.mlp.experts.{e}.up_proj.weight"), &[24, 16]));
+            ts.push(tensor(&format!("model.layers.0.mlp.experts.{e}.down_proj.weight"), &[16, 24]));
+        }
+        let model = SourceModel {
+            kind: SourceKind::Safetensors,
+            arch,
+            tokenizer: crate::manifest::TokenizerInfo {
+                tokenizer_json: String::new(),
+                chat_template: None,
+                bos_token_id: None,
+                eos_token_ids: vec![],
+                add_bos: false,
+            },
+            tensors: ts,
+            files: vec![],
+            details: BTreeMap::new(),
+            source_config: serde_json::Value::Null,
+        };
+        let jobs = build_jobs(&model).expect("jobs");
+        assert_eq!(jobs[0].role, Role::TokenEmbd);
+        assert_eq!(jobs.last().map(|j| j.role), Some(Role::LmHead));
+        let gate = jobs.iter().find(|j| j.role == Role::MoeGate).expect("moe gate");
+        assert_eq!(gate.shape, vec![2, 24, 16]);
+        assert_eq!(gate.parts[0].name, "model.layers.0.mlp.experts.0.gate_proj.weight");
+        assert_eq!(gate.source_name, "model.layers.0.mlp.experts.{E}.gate_proj.weight");
+
+        let mut missing = model.clone();
+        missing.tensors.retain(|t| t.name != "model.layers.0.mlp.experts.1.up_proj.weight");
+        assert!(matches!(build_jobs(&missing), Err(ConvertError::MissingExperts { .. })));
+        let mut bad = model.clone();
+        bad.tensors.retain(|t| t.name != "model.layers.0.self_attn.k_norm.weight");
+        assert!(matches!(build_jobs(&bad), Err(ConvertError::MissingTensor { .. })));
+        let mut wrong = model;
+        wrong.tensors[1].shape = vec![15];
+        let e = build_jobs(&wrong).unwrap_err();
+        assert!(e.to_string().contains("model.norm.weight"), "{e}");
+    }
+}

@@ -1,0 +1,180 @@
+//! `thin inspect`: one summary of an archive, as text or as one JSON object.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use serde_json::{json, Value};
+use thin_core::format::Archive;
+use thin_core::manifest::Manifest;
+
+fn hex(b: &[u8]) -> String {
+    b.iter().fold(String::with_capacity(b.len() * 2), |mut s, x| {
+        let _ = write!(s, "{x:02x}");
+        s
+    })
+}
+
+/// (count, bytes) per key.
+fn totals<'a>(
+    m: &'a Manifest,
+    key: impl Fn(&'a thin_core::manifest::TensorEntry) -> &'a str,
+) -> BTreeMap<&'a str, (u64, u64)> {
+    let mut out: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
+    for t in &m.tensors {
+        let e = out.entry(key(t)).or_default();
+        e.0 += 1;
+        e.1 += t.byte_len;
+    }
+    out
+}
+
+fn method_counts(m: &Manifest) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    for p in &m.quantization.plan {
+        let name = serde_json::to_value(p.method).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
+        *out.entry(name).or_default() += 1;
+    }
+    out
+}
+
+/// Vocab entries plus added tokens of an embedded tokenizer.json.
+fn tokenizer_summary(m: &Manifest) -> Value {
+    let t = &m.tokenizer;
+    let parsed: Value = serde_json::from_str(&t.tokenizer_json).unwrap_or(Value::Null);
+    let model = parsed.get("model");
+    json!({
+        "model": model.and_then(|m| m.get("type")).and_then(Value::as_str),
+        "vocab": model.and_then(|m| m.get("vocab")).map(|v| match v {
+            Value::Object(o) => o.len(),
+            Value::Array(a) => a.len(),
+            _ => 0,
+        }),
+        "added_tokens": parsed.get("added_tokens").and_then(Value::as_array).map(Vec::len),
+        "tokenizer_json_bytes": t.tokenizer_json.len(),
+        "chat_template_bytes": t.chat_template.as_ref().map(String::len),
+        "bos_token_id": t.bos_token_id,
+        "eos_token_ids": t.eos_token_ids,
+        "add_bos": t.add_bos,
+    })
+}
+
+pub fn to_json(a: &Archive) -> Value {
+    let h = a.header();
+    let m = a.manifest();
+    let q = &m.quantization;
+    let roles: BTreeMap<&str, Value> =
+        totals(m, |t| t.role.name()).into_iter().map(|(k, (n, b))| (k, json!({"count": n, "bytes": b}))).collect();
+    let dtypes: BTreeMap<&str, Value> =
+        totals(m, |t| t.dtype.name()).into_iter().map(|(k, (n, b))| (k, json!({"count": n, "bytes": b}))).collect();
+    let tensors: Vec<Value> = m
+        .tensors
+        .iter()
+        .map(|t| {
+            json!({
+                "name": t.name, "role": t.role.name(), "layer": t.layer, "shape": t.shape,
+                "dtype": t.dtype.name(), "bytes": t.byte_len, "first_page": t.first_page,
+                "page_count": t.page_count, "source_dtype": t.source_dtype.name(),
+                "source_name": t.source_name, "exact_storage_preserved": t.exact_storage_preserved,
+            })
+        })
+        .collect();
+    let pages: Vec<Value> = a
+        .pages()
+        .iter()
+        .map(|p| json!({"page_id": p.page_id, "flags": p.flags, "offset": p.offset, "stored_size": p.stored_size, "raw_size": p.raw_size}))
+        .collect();
+    json!({
+        "header": {
+            "header_len": h.header_len, "version": h.version, "manifest_off": h.manifest_off,
+            "manifest_len": h.manifest_len, "page_table_off": h.page_table_off, "page_count": h.page_count,
+            "data_off": h.data_off, "archive_hash": hex(&h.archive_hash), "file_len": a.file_len(),
+        },
+        "arch": m.arch,
+        "shape_fingerprint": m.shape_fingerprint,
+        "roles": roles,
+        "dtypes": dtypes,
+        "tokenizer": tokenizer_summary(m),
+        "quantization": {
+            "method": q.method, "storage_dtype": q.storage_dtype.name(), "bits": q.bits,
+            "group_size": q.group_size, "scale_dtype": q.scale_dtype.map(|d| d.name()), "zero_point": q.zero_point,
+            "modules_to_not_convert": q.modules_to_not_convert, "source_config": q.source_config,
+            "methods": method_counts(m),
+            "exact_storage_preserved": m.tensors.iter().filter(|t| t.exact_storage_preserved).count(),
+        },
+        "source": m.source,
+        "tensors": tensors,
+        "pages": pages,
+    })
+}
+
+pub fn to_text(a: &Archive) -> String {
+    let h = a.header();
+    let m = a.manifest();
+    let c = &m.arch;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "archive   version {}, {} bytes, {} pages, hash {}",
+        h.version,
+        a.file_len(),
+        h.page_count,
+        hex(&h.archive_hash)
+    );
+    let _ = writeln!(
+        s,
+        "          manifest {}+{}, page table {}, data {}",
+        h.manifest_off, h.manifest_len, h.page_table_off, h.data_off
+    );
+    let _ = writeln!(s, "arch      {} (fingerprint {})", c.family.name(), m.shape_fingerprint);
+    let _ = writeln!(
+        s,
+        "dims      vocab {} hidden {} layers {} heads {} kv_heads {} head_dim {} intermediate {} tied {}",
+        c.vocab_size,
+        c.hidden_size,
+        c.num_layers,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.intermediate_size,
+        c.tie_word_embeddings
+    );
+    if let Some(moe) = &c.moe {
+        let _ = writeln!(
+            s,
+            "moe       experts {} top_k {} norm_topk_prob {}",
+            moe.num_experts, moe.top_k, moe.norm_topk_prob
+        );
+    }
+    let _ = write!(s, "rope      theta {}", c.rope.theta);
+    if let Some(l) = c.rope.local_theta {
+        let _ = write!(s, " local_theta {l}");
+    }
+    if let Some(sc) = &c.rope.scaling {
+        let _ = write!(s, " scaling {} x{}", sc.rope_type, sc.factor);
+    }
+    if !c.no_rope_layers.is_empty() {
+        let _ = write!(s, " no_rope_layers {:?}", c.no_rope_layers);
+    }
+    let _ = writeln!(s);
+    let tok = tokenizer_summary(m);
+    let _ = writeln!(s, "tokenizer {tok}");
+    let _ = writeln!(s, "roles");
+    for (role, (n, b)) in totals(m, |t| t.role.name()) {
+        let _ = writeln!(s, "  {role:<16} {n:>5} tensors {b:>14} bytes");
+    }
+    let _ = writeln!(s, "dtypes");
+    for (d, (n, b)) in totals(m, |t| t.dtype.name()) {
+        let _ = writeln!(s, "  {d:<16} {n:>5} tensors {b:>14} bytes");
+    }
+    let q = &m.quantization;
+    let _ = writeln!(
+        s,
+        "quant     profile {} ({} bits {}), methods {:?}, kept out: {}",
+        q.method,
+        q.bits,
+        q.storage_dtype.name(),
+        method_counts(m),
+        q.modules_to_not_convert.len()
+    );
+    s
+}
