@@ -238,15 +238,11 @@ fn source_with_unknown_tensor_fails_naming_it() {
     assert!(!out.exists());
 }
 
-/// A committed fixture directory, or `None` (with a note) when this checkout lacks it.
-fn fixture_dir(name: &str) -> Option<PathBuf> {
+/// A committed fixture directory (part of the repository: its absence is a failure, not a skip).
+fn fixture_dir(name: &str) -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny").join(name);
-    if p.join("config.json").is_file() {
-        Some(p)
-    } else {
-        eprintln!("skipping: {} not present", p.display());
-        None
-    }
+    assert!(p.join("config.json").is_file(), "fixture {} is missing from the checkout", p.display());
+    p
 }
 
 /// f32 values of one tensor of a fixture's model.safetensors.
@@ -277,7 +273,7 @@ fn convert_dir(src: &Path, out: &Path, profile: &str) {
 fn fixtures_of_every_family_convert_and_verify() {
     let tmp = tempfile::tempdir().expect("tempdir");
     for name in ["llama-tiny", "smollm3-tiny", "gemma3-tiny", "olmoe-tiny"] {
-        let Some(dir) = fixture_dir(name) else { continue };
+        let dir = fixture_dir(name);
         for profile in ["bf16", "f32"] {
             convert_dir(&dir, &tmp.path().join(format!("{name}.{profile}.thin")), profile);
         }
@@ -288,7 +284,7 @@ fn fixtures_of_every_family_convert_and_verify() {
 fn gemma_fixture_norms_are_stored_as_one_plus_w() {
     use thin_core::format::Archive;
     use thin_core::role::Role;
-    let Some(dir) = fixture_dir("gemma3-tiny") else { return };
+    let dir = fixture_dir("gemma3-tiny");
     let tmp = tempfile::tempdir().expect("tempdir");
     let out = tmp.path().join("g.thin");
     convert_dir(&dir, &out, "f32");
@@ -314,7 +310,7 @@ fn gemma_fixture_norms_are_stored_as_one_plus_w() {
 fn olmoe_fixture_experts_are_stacked_in_order() {
     use thin_core::format::Archive;
     use thin_core::role::Role;
-    let Some(dir) = fixture_dir("olmoe-tiny") else { return };
+    let dir = fixture_dir("olmoe-tiny");
     let tmp = tempfile::tempdir().expect("tempdir");
     let out = tmp.path().join("o.thin");
     convert_dir(&dir, &out, "f32");
@@ -334,15 +330,12 @@ fn olmoe_fixture_experts_are_stacked_in_order() {
 /// The real SmolLM2 GGUF (Q4_1), when it has been downloaded: converts, verifies, and Q/K keep
 /// their HF shapes.
 #[test]
-fn real_gguf_converts_when_present() {
+fn real_gguf_converts() {
     let p = match std::env::var_os("THIN_SMOLLM2_GGUF") {
         Some(p) => PathBuf::from(p),
         None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
     };
-    if !p.is_file() {
-        eprintln!("skipping: {} not present", p.display());
-        return;
-    }
+    assert!(p.is_file(), "{} is missing: run scripts/fetch-smollm2.sh", p.display());
     let tmp = tempfile::tempdir().expect("tempdir");
     let out = tmp.path().join("smol.thin");
     convert_dir(&p, &out, "bf16");

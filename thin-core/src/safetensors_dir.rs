@@ -350,7 +350,20 @@ pub fn arch_from_config(path: &Path, config: &Value) -> Result<ArchConfig, Safet
         Family::Gemma3 => 1_000_000.0,
         Family::Llama | Family::Smollm3 | Family::Olmoe => 10_000.0,
     };
-    let scaling = match c.present("rope_scaling") {
+    // transformers >= 5 writes `rope_parameters` (flat, or keyed by layer type for Gemma 3); older
+    // configs write `rope_theta`, `rope_scaling` and `rope_local_base_freq` at the top level.
+    let (global_rope, local_rope) = match c.present("rope_parameters") {
+        Some(rp) if rp.get("full_attention").is_some() => (rp.get("full_attention"), rp.get("sliding_attention")),
+        Some(rp) => (Some(rp), None),
+        None => (None, None),
+    };
+    let theta_of = |v: Option<&Value>, key: &str| -> Result<Option<f64>, SafetensorsError> {
+        match v {
+            Some(v) => Cfg { path, v }.f64_opt("rope_theta").map_err(|_| c.err(key, "rope_theta is not a number")),
+            None => Ok(None),
+        }
+    };
+    let scaling = match c.present("rope_scaling").or(global_rope) {
         None => None,
         Some(rs) => {
             let r = Cfg { path, v: rs };
@@ -389,9 +402,15 @@ pub fn arch_from_config(path: &Path, config: &Value) -> Result<ArchConfig, Safet
         }
     };
     let rope = RopeConfig {
-        theta: c.f64_opt("rope_theta")?.unwrap_or(default_theta),
+        theta: match c.f64_opt("rope_theta")? {
+            Some(t) => t,
+            None => theta_of(global_rope, "rope_parameters")?.unwrap_or(default_theta),
+        },
         local_theta: match family {
-            Family::Gemma3 => Some(c.f64_opt("rope_local_base_freq")?.unwrap_or(10_000.0)),
+            Family::Gemma3 => Some(match c.f64_opt("rope_local_base_freq")? {
+                Some(t) => t,
+                None => theta_of(local_rope, "rope_parameters.sliding_attention")?.unwrap_or(10_000.0),
+            }),
             Family::Llama | Family::Smollm3 | Family::Olmoe => None,
         },
         scaling,
