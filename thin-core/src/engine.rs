@@ -57,6 +57,14 @@ impl WeightView<'_> {
         }
     }
 
+    /// Elements `start..end` (one expert of a stacked MoE tensor).
+    pub fn slice(&self, start: usize, end: usize) -> WeightView<'_> {
+        match self {
+            WeightView::F32(w) => WeightView::F32(&w[start..end]),
+            WeightView::Bf16(w) => WeightView::Bf16(&w[start..end]),
+        }
+    }
+
     /// Copy out as f32 (norm vectors are small; the hot matvecs read the view directly).
     pub fn to_f32_vec(&self) -> Vec<f32> {
         match self {
