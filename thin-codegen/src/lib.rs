@@ -546,6 +546,47 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
     }
 }
 
+/// RMS norm kernel at one width.
+#[derive(askama::Template)]
+#[template(path = "rmsnorm.cu.j2", escape = "none")]
+pub struct RmsNormKernel { pub dim: u64, pub eps: String }
+
+/// Matvec kernel at one `[out, in]` shape and weight storage type.
+#[derive(askama::Template)]
+#[template(path = "matvec.cu.j2", escape = "none")]
+pub struct MatvecKernel { pub out_dim: u64, pub in_dim: u64, pub wtype: &'static str, pub wname: &'static str, pub load: &'static str }
+
+const TEMPLATES: [&str; 2] = [include_str!("../../kernels/rmsnorm.cu.j2"), include_str!("../../kernels/matvec.cu.j2")];
+
+/// One CUDA source per shape the plan uses: file name → source (without header).
+pub fn emit_kernels(d: &Description, plan: &Plan) -> Result<BTreeMap<String, String>, askama::Error> {
+    use askama::Template;
+    let mut norms = std::collections::BTreeSet::new();
+    let mut mats = std::collections::BTreeSet::new();
+    for op in plan.prologue.iter().chain(plan.layers.iter().flat_map(|l| l.ops.iter())).chain(plan.epilogue.iter()) {
+        match op {
+            Op::RmsNorm { dim, .. } | Op::QkNorm { dim, .. } => { norms.insert(*dim); }
+            Op::Matvec { out_dim, in_dim, .. } => { mats.insert((*out_dim, *in_dim)); }
+            Op::Mlp { ffn, .. } | Op::Moe { ffn, .. } => {
+                mats.insert((*ffn, d.dims.hidden_size));
+                mats.insert((d.dims.hidden_size, *ffn));
+            }
+            Op::LmHead { vocab, hidden, .. } => { mats.insert((*vocab, *hidden)); }
+            Op::Embed { .. } | Op::Rope { .. } | Op::KvWrite { .. } | Op::Attention { .. } | Op::ResidualAdd { .. } | Op::Softcap { .. } => {}
+        }
+    }
+    let mut out = BTreeMap::new();
+    for dim in norms {
+        out.insert(format!("rmsnorm_{dim}.cu"), RmsNormKernel { dim, eps: format!("{:e}", d.norm.eps) }.render()?);
+    }
+    for (o, i) in mats {
+        for (wtype, wname, load) in [("float", "f32", ""), ("__nv_bfloat16", "bf16", "__bfloat162float")] {
+            out.insert(format!("matvec_{wname}_{o}x{i}.cu"), MatvecKernel { out_dim: o, in_dim: i, wtype, wname, load }.render()?);
+        }
+    }
+    Ok(out)
+}
+
 /// Feature name = file stem; module name = stem with `.`/`-` as `_`.
 pub fn module_name(stem: &str) -> String { stem.replace(['.', '-'], "_") }
 
@@ -555,6 +596,12 @@ fn header(rel: &str, hash: &str) -> String {
 
 /// parse → validate → plan → emit for one file; returns (feature, plan, mod.rs text).
 pub fn generate_one(rel: &str, text: &str) -> Result<(String, Plan, String), CodegenError> {
+    let (n, p, src, _) = generate_one_with_kernels(rel, text)?;
+    Ok((n, p, src))
+}
+
+/// [`generate_one`] plus the CUDA sources (file name → text, headed).
+pub fn generate_one_with_kernels(rel: &str, text: &str) -> Result<(String, Plan, String, BTreeMap<String, String>), CodegenError> {
     let d = parse(rel, text)?;
     validate(rel, &d)?;
     let plan = lower(&d);
@@ -564,8 +611,13 @@ pub fn generate_one(rel: &str, text: &str) -> Result<(String, Plan, String), Cod
     h.update(text.as_bytes());
     h.update(CODEGEN_VERSION.as_bytes());
     h.update(include_str!("lib.rs").as_bytes());
+    for t in TEMPLATES {
+        h.update(t.as_bytes());
+    }
     let hash = h.finalize().to_hex().to_string();
-    Ok((d.model.name.clone(), plan, header(rel, &hash) + &prettyplease::unparse(&file)))
+    let kernels = emit_kernels(&d, &plan).map_err(|e| CodegenError::Parse { file: rel.into(), msg: format!("kernel template: {e}") })?;
+    let kernels = kernels.into_iter().map(|(k, v)| (k, header(rel, &hash) + &v)).collect();
+    Ok((d.model.name.clone(), plan, header(rel, &hash) + &prettyplease::unparse(&file), kernels))
 }
 
 /// All descriptions under `root/archs` (sorted), as relative paths.
@@ -593,9 +645,13 @@ pub fn generate_all(root: &Path) -> Result<BTreeMap<PathBuf, String>, CodegenErr
         let rels = rel.to_string_lossy().to_string();
         let text = std::fs::read_to_string(root.join(&rel)).map_err(|e| CodegenError::Io { path: rels.clone(), msg: e.to_string() })?;
         let stem = rel.file_stem().unwrap_or_default().to_string_lossy().to_string();
-        match generate_one(&rels, &text) {
-            Ok((_, _, src)) => {
-                files.insert(PathBuf::from("generated").join(module_name(&stem)).join("mod.rs"), src);
+        match generate_one_with_kernels(&rels, &text) {
+            Ok((_, _, src, kernels)) => {
+                let dir = PathBuf::from("generated").join(module_name(&stem));
+                files.insert(dir.join("mod.rs"), src);
+                for (k, v) in kernels {
+                    files.insert(dir.join("kernels").join(k), v);
+                }
                 feats.push(stem);
             }
             Err(e) => errors.push(e.to_string()),
