@@ -1,1 +1,371 @@
 //! CPU reference ops: plain f32 math, the oracle for every other backend.
+//!
+//! Weights are row-major `[out, in]` like HF `nn.Linear`; activations are f32.
+
+use crate::engine::WeightView;
+use rayon::prelude::*;
+
+/// Row `token` of an embedding table `[vocab, hidden]`, times `scale` (Gemma: `sqrt(hidden)`).
+pub fn embedding(table: WeightView<'_>, token: usize, hidden: usize, scale: f32, out: &mut [f32]) {
+    assert_eq!(out.len(), hidden);
+    let base = token * hidden;
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = table.get(base + i) * scale;
+    }
+}
+
+/// `out = x / rms(x) * w` with `rms = sqrt(mean(x^2) + eps)`.
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    assert_eq!(x.len(), w.len());
+    assert_eq!(x.len(), out.len());
+    let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let inv = 1.0 / (ms + eps).sqrt();
+    for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
+        *o = v * inv * g;
+    }
+}
+
+/// In-place RMS norm over each `dim`-sized chunk (QK-norm per head).
+pub fn rms_norm_chunks(x: &mut [f32], w: &[f32], eps: f32) {
+    let dim = w.len();
+    assert_eq!(x.len() % dim, 0);
+    let mut tmp = vec![0.0; dim];
+    for chunk in x.chunks_mut(dim) {
+        rms_norm(chunk, w, eps, &mut tmp);
+        chunk.copy_from_slice(&tmp);
+    }
+}
+
+fn dot_row(w: WeightView<'_>, row: usize, x: &[f32]) -> f32 {
+    let n = x.len();
+    match w {
+        WeightView::F32(w) => w[row * n..(row + 1) * n].iter().zip(x).map(|(a, b)| a * b).sum(),
+        WeightView::Bf16(w) => w[row * n..(row + 1) * n].iter().zip(x).map(|(a, b)| a.to_f32() * b).sum(),
+    }
+}
+
+/// `out[o] = sum_i w[o, i] * x[i]`, rayon over output rows.
+pub fn matvec(w: WeightView<'_>, x: &[f32], out: &mut [f32]) {
+    assert_eq!(w.len(), out.len() * x.len(), "matvec weight is not [out, in]");
+    out.par_iter_mut().enumerate().for_each(|(o, y)| *y = dot_row(w, o, x));
+}
+
+/// `out[t, o] = sum_i w[o, i] * x[t, i]` for `t` rows of `x` (`[t, in]` row-major).
+pub fn matmul(w: WeightView<'_>, x: &[f32], n_in: usize, out: &mut [f32]) {
+    assert_eq!(x.len() % n_in, 0);
+    let t = x.len() / n_in;
+    assert_eq!(w.len() % n_in, 0);
+    let n_out = w.len() / n_in;
+    assert_eq!(out.len(), t * n_out);
+    out.par_chunks_mut(n_out).zip(x.par_chunks(n_in)).for_each(|(y, xr)| {
+        for (o, v) in y.iter_mut().enumerate() {
+            *v = dot_row(w, o, xr);
+        }
+    });
+}
+
+/// HF default inverse frequencies `1 / theta^(2i/d)` for `i < d/2`.
+pub fn rope_inv_freq(head_dim: usize, theta: f64) -> Vec<f64> {
+    (0..head_dim / 2).map(|i| 1.0 / theta.powf((2 * i) as f64 / head_dim as f64)).collect()
+}
+
+/// Llama 3 frequency scaling, as HF `_compute_llama3_parameters`.
+pub fn llama3_inv_freq(inv_freq: &[f64], factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_pos: f64) -> Vec<f64> {
+    let low_freq_wavelen = original_max_pos / low_freq_factor;
+    let high_freq_wavelen = original_max_pos / high_freq_factor;
+    inv_freq
+        .iter()
+        .map(|&f| {
+            let wavelen = 2.0 * std::f64::consts::PI / f;
+            if wavelen > low_freq_wavelen {
+                f / factor
+            } else if wavelen < high_freq_wavelen {
+                f
+            } else {
+                let smooth = (original_max_pos / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                (1.0 - smooth) * f / factor + smooth * f
+            }
+        })
+        .collect()
+}
+
+/// cos/sin tables `[max_pos, head_dim/2]` for the given inverse frequencies.
+pub fn rope_tables(inv_freq: &[f64], max_pos: usize) -> (Vec<f32>, Vec<f32>) {
+    let half = inv_freq.len();
+    let mut cos = vec![0.0; max_pos * half];
+    let mut sin = vec![0.0; max_pos * half];
+    for p in 0..max_pos {
+        for (i, &f) in inv_freq.iter().enumerate() {
+            let a = p as f64 * f;
+            cos[p * half + i] = a.cos() as f32;
+            sin[p * half + i] = a.sin() as f32;
+        }
+    }
+    (cos, sin)
+}
+
+/// Rotate every head of `x` (`[heads, head_dim]`) at one position, HF `rotate_half` layout:
+/// pairs are `(i, i + head_dim/2)`. `cos`/`sin` are that position's rows (`head_dim/2` each).
+pub fn rope(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
+    let half = head_dim / 2;
+    assert_eq!(cos.len(), half);
+    assert_eq!(sin.len(), half);
+    for head in x.chunks_mut(head_dim) {
+        for i in 0..half {
+            let (a, b) = (head[i], head[i + half]);
+            head[i] = a * cos[i] - b * sin[i];
+            head[i + half] = b * cos[i] + a * sin[i];
+        }
+    }
+}
+
+/// Numerically stable softmax in place.
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    for v in x.iter_mut() {
+        *v /= sum;
+    }
+}
+
+/// `cap * tanh(x / cap)` in place.
+pub fn softcap(x: &mut [f32], cap: f32) {
+    for v in x.iter_mut() {
+        *v = cap * (*v / cap).tanh();
+    }
+}
+
+/// Shapes and options of one attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnParams {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+    /// Attend only to the last `window` positions (inclusive of the current one).
+    pub window: Option<usize>,
+    pub softcap: Option<f32>,
+}
+
+/// One query position `pos` against a KV cache laid out `[max_seq, kv_heads, head_dim]`
+/// (positions `0..=pos` filled). GQA: query head `h` reads kv head `h / (heads / kv_heads)`.
+pub fn attention(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos: usize, p: AttnParams, out: &mut [f32]) {
+    let hd = p.head_dim;
+    let kv_dim = p.num_kv_heads * hd;
+    assert_eq!(q.len(), p.num_heads * hd);
+    assert_eq!(out.len(), p.num_heads * hd);
+    assert!(k_cache.len() >= (pos + 1) * kv_dim);
+    let group = p.num_heads / p.num_kv_heads;
+    let start = match p.window {
+        Some(w) => (pos + 1).saturating_sub(w),
+        None => 0,
+    };
+    out.par_chunks_mut(hd).enumerate().for_each(|(h, o)| {
+        let kvh = h / group;
+        let qh = &q[h * hd..(h + 1) * hd];
+        let mut scores: Vec<f32> = (start..=pos)
+            .map(|t| {
+                let k = &k_cache[t * kv_dim + kvh * hd..t * kv_dim + (kvh + 1) * hd];
+                qh.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * p.scale
+            })
+            .collect();
+        if let Some(cap) = p.softcap {
+            softcap(&mut scores, cap);
+        }
+        softmax(&mut scores);
+        o.iter_mut().for_each(|v| *v = 0.0);
+        for (s, t) in scores.iter().zip(start..=pos) {
+            let v = &v_cache[t * kv_dim + kvh * hd..t * kv_dim + (kvh + 1) * hd];
+            for (oi, vi) in o.iter_mut().zip(v) {
+                *oi += s * vi;
+            }
+        }
+    });
+}
+
+/// Copy this position's k and v (`[kv_heads * head_dim]`) into the caches.
+pub fn kv_write(k: &[f32], v: &[f32], pos: usize, k_cache: &mut [f32], v_cache: &mut [f32]) {
+    let d = k.len();
+    k_cache[pos * d..(pos + 1) * d].copy_from_slice(k);
+    v_cache[pos * d..(pos + 1) * d].copy_from_slice(v);
+}
+
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// GELU, tanh approximation (`gelu_pytorch_tanh`).
+pub fn gelu_tanh(x: f32) -> f32 {
+    const C: f32 = 0.797_884_6; // sqrt(2/pi)
+    0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// `gate = silu(gate) * up` in place.
+pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = silu(*g) * u;
+    }
+}
+
+/// `gate = gelu_tanh(gate) * up` in place.
+pub fn geglu(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = gelu_tanh(*g) * u;
+    }
+}
+
+/// Softmax over router logits, then the `k` largest as (expert, weight), optionally renormalised.
+pub fn topk_router(logits: &[f32], k: usize, renorm: bool) -> Vec<(usize, f32)> {
+    let mut p = logits.to_vec();
+    softmax(&mut p);
+    let mut idx: Vec<usize> = (0..p.len()).collect();
+    // Stable sort: ties go to the lower expert index, as torch.topk does in practice.
+    idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+    let mut top: Vec<(usize, f32)> = idx.into_iter().take(k).map(|i| (i, p[i])).collect();
+    if renorm {
+        let s: f32 = top.iter().map(|t| t.1).sum();
+        top.iter_mut().for_each(|t| t.1 /= s);
+    }
+    top
+}
+
+/// `x += y`.
+pub fn residual_add(x: &mut [f32], y: &[f32]) {
+    for (a, &b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+
+    fn close(a: &[f32], b: &[f32], tol: f32) {
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(b) {
+            assert!((x - y).abs() <= tol, "{a:?} vs {b:?}");
+        }
+    }
+
+    #[test]
+    fn embedding_f32_and_bf16() {
+        let t = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let mut o = [0.0; 2];
+        embedding(WeightView::F32(&t), 1, 2, 1.0, &mut o);
+        close(&o, &[3.0, 4.0], 0.0);
+        let tb: Vec<bf16> = t.iter().map(|&v| bf16::from_f32(v)).collect();
+        embedding(WeightView::Bf16(&tb), 2, 2, 2.0, &mut o);
+        close(&o, &[10.0, 12.0], 0.0);
+    }
+
+    #[test]
+    fn rms_norm_hand_values() {
+        // mean(x^2) = (9 + 16) / 2 = 12.5
+        let mut o = [0.0; 2];
+        rms_norm(&[3.0, 4.0], &[1.0, 2.0], 0.0, &mut o);
+        let r = 12.5f32.sqrt();
+        close(&o, &[3.0 / r, 8.0 / r], 1e-6);
+        let mut x = [3.0, 4.0, 3.0, 4.0];
+        rms_norm_chunks(&mut x, &[1.0, 1.0], 0.0);
+        close(&x, &[3.0 / r, 4.0 / r, 3.0 / r, 4.0 / r], 1e-6);
+    }
+
+    #[test]
+    fn matvec_and_matmul_f32_bf16() {
+        let w = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]; // [2, 3]
+        let mut o = [0.0; 2];
+        matvec(WeightView::F32(&w), &[1.0, 0.0, -1.0], &mut o);
+        close(&o, &[-2.0, -2.0], 0.0);
+        let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        matvec(WeightView::Bf16(&wb), &[1.0, 1.0, 1.0], &mut o);
+        close(&o, &[6.0, 15.0], 0.0);
+        let mut m = [0.0; 4];
+        matmul(WeightView::F32(&w), &[1.0, 0.0, -1.0, 1.0, 1.0, 1.0], 3, &mut m);
+        close(&m, &[-2.0, -2.0, 6.0, 15.0], 0.0);
+    }
+
+    #[test]
+    fn rope_rotate_half() {
+        // head_dim 4: pairs (0,2), (1,3). 90 degrees on pair 0, none on pair 1.
+        let mut x = [1.0, 2.0, 3.0, 4.0];
+        rope(&mut x, 4, &[0.0, 1.0], &[1.0, 0.0]);
+        close(&x, &[-3.0, 2.0, 1.0, 4.0], 1e-6);
+        let f = rope_inv_freq(4, 10000.0);
+        assert_eq!(f, vec![1.0, 0.01]);
+        let (c, s) = rope_tables(&f, 2);
+        close(&c, &[1.0, 1.0, 1f64.cos() as f32, 0.01f64.cos() as f32], 1e-7);
+        close(&s[..2], &[0.0, 0.0], 0.0);
+    }
+
+    #[test]
+    fn llama3_scaling_bands() {
+        // orig 8192, low 1, high 4: wavelen > 8192 divided by factor, < 2048 kept, between smoothed.
+        let two_pi = 2.0 * std::f64::consts::PI;
+        let f = [two_pi / 100.0, two_pi / 10000.0, two_pi / 4096.0];
+        let s = llama3_inv_freq(&f, 32.0, 1.0, 4.0, 8192.0);
+        assert!((s[0] - f[0]).abs() < 1e-15);
+        assert!((s[1] - f[1] / 32.0).abs() < 1e-15);
+        // smooth = (8192/4096 - 1) / 3 = 1/3
+        let want = (2.0 / 3.0) * f[2] / 32.0 + (1.0 / 3.0) * f[2];
+        assert!((s[2] - want).abs() < 1e-15);
+    }
+
+    #[test]
+    fn softmax_softcap_activations() {
+        let mut x = [0.0, (3.0f32).ln()];
+        softmax(&mut x);
+        close(&x, &[0.25, 0.75], 1e-6);
+        let mut y = [0.0, 1000.0];
+        softcap(&mut y, 30.0);
+        close(&y, &[0.0, 30.0], 1e-4);
+        assert!((silu(0.0)).abs() < 1e-7);
+        assert!((silu(1.0) - 0.731_058_6).abs() < 1e-6);
+        assert!((gelu_tanh(1.0) - 0.841_192).abs() < 1e-5);
+        let mut g = [1.0, 0.0];
+        swiglu(&mut g, &[2.0, 5.0]);
+        close(&g, &[2.0 * 0.731_058_6, 0.0], 1e-6);
+        let mut g = [1.0];
+        geglu(&mut g, &[2.0]);
+        close(&g, &[2.0 * 0.841_192], 1e-5);
+        let mut r = [1.0, 2.0];
+        residual_add(&mut r, &[0.5, -2.0]);
+        close(&r, &[1.5, 0.0], 0.0);
+    }
+
+    #[test]
+    fn attention_gqa_window() {
+        // 2 query heads share 1 kv head, head_dim 1; keys 0 and 1, values 10 and 20.
+        let k = [0.0, 1.0];
+        let v = [10.0, 20.0];
+        let p = AttnParams { num_heads: 2, num_kv_heads: 1, head_dim: 1, scale: 1.0, window: None, softcap: None };
+        let mut o = [0.0; 2];
+        attention(&[0.0, (3.0f32).ln()], &k, &v, 1, p, &mut o);
+        // head 0: equal weights -> 15; head 1: weights 1/4, 3/4 -> 17.5
+        close(&o, &[15.0, 17.5], 1e-5);
+        let pw = AttnParams { window: Some(1), ..p };
+        attention(&[0.0, 1.0], &k, &v, 1, pw, &mut o);
+        close(&o, &[20.0, 20.0], 1e-6);
+        let mut kc = [0.0; 4];
+        let mut vc = [0.0; 4];
+        kv_write(&[1.0, 2.0], &[3.0, 4.0], 1, &mut kc, &mut vc);
+        close(&kc, &[0.0, 0.0, 1.0, 2.0], 0.0);
+        close(&vc, &[0.0, 0.0, 3.0, 4.0], 0.0);
+    }
+
+    #[test]
+    fn router_topk() {
+        let l = [0.0, (3.0f32).ln(), 0.0, 0.0]; // probs 1/6, 1/2, 1/6, 1/6
+        let t = topk_router(&l, 2, false);
+        assert_eq!(t[0].0, 1);
+        assert!((t[0].1 - 0.5).abs() < 1e-6);
+        assert!((t[1].1 - 1.0 / 6.0).abs() < 1e-6);
+        let t = topk_router(&l, 2, true);
+        assert!((t[0].1 - 0.75).abs() < 1e-6);
+        assert!((t[1].1 - 0.25).abs() < 1e-6);
+    }
+}

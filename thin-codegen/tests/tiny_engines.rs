@@ -1,0 +1,78 @@
+//! The generated tiny engines run on deterministic pseudo-random weights: finite logits, and
+//! prefill equals token-by-token decode.
+
+use thin_core::engine::{Engine, MemWeights};
+use thin_core::role::Role;
+
+fn weights(sizes: &[(Role, Option<u32>, usize)]) -> MemWeights {
+    let mut w = MemWeights::default();
+    let mut seed = 0x9e37_79b9_u32;
+    for &(r, l, n) in sizes {
+        let v = (0..n)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 17;
+                seed ^= seed << 5;
+                if r.is_norm() { 1.0 } else { (seed as f32 / u32::MAX as f32 - 0.5) * 0.2 }
+            })
+            .collect();
+        w.tensors.insert((r, l), v);
+    }
+    w
+}
+
+fn sizes(layers: u32, h: usize, q: usize, kv: usize, hd: usize, ffn: usize, vocab: usize, extra: &[(Role, usize)]) -> Vec<(Role, Option<u32>, usize)> {
+    let mut s = vec![(Role::TokenEmbd, None, vocab * h), (Role::OutputNorm, None, h)];
+    for l in 0..layers {
+        let l = Some(l);
+        s.extend([
+            (Role::AttnNorm, l, h), (Role::AttnQ, l, q * h), (Role::AttnK, l, kv * h), (Role::AttnV, l, kv * h),
+            (Role::AttnO, l, h * q), (Role::FfnNorm, l, h), (Role::FfnGate, l, ffn * h), (Role::FfnUp, l, ffn * h),
+            (Role::FfnDown, l, h * ffn),
+        ]);
+        let _ = hd;
+        s.extend(extra.iter().map(|&(r, n)| (r, l, n)));
+    }
+    s
+}
+
+fn check<E: Engine>(mut e: E) {
+    let prompt = [1u32, 7, 42, 255, 3];
+    let a = e.prefill(&prompt).unwrap();
+    assert!(a.iter().all(|v| v.is_finite()));
+    e.reset();
+    let mut b = Vec::new();
+    for &t in &prompt {
+        b = e.decode_step(t).unwrap();
+    }
+    assert_eq!(a, b);
+    assert!(e.decode_step(256).is_err(), "token out of range is an error");
+}
+
+#[test]
+fn llama_tiny_runs() {
+    use thin_generated::llama_tiny as m;
+    check(m::Engine::new(weights(&sizes(2, 64, 64, 32, 16, 128, 256, &[]))));
+}
+
+#[test]
+fn smollm3_tiny_runs() {
+    use thin_generated::smollm3_tiny as m;
+    check(m::Engine::new(weights(&sizes(4, 64, 64, 32, 16, 128, 256, &[]))));
+}
+
+#[test]
+fn gemma3_tiny_runs() {
+    use thin_generated::gemma3_tiny as m;
+    let extra = [(Role::AttnQNorm, 16), (Role::AttnKNorm, 16), (Role::AttnPostNorm, 64), (Role::FfnPostNorm, 64)];
+    check(m::Engine::new(weights(&sizes(6, 64, 64, 16, 16, 128, 256, &extra))));
+}
+
+#[test]
+fn olmoe_tiny_runs() {
+    use thin_generated::olmoe_tiny as m;
+    let extra = [(Role::AttnQNorm, 64), (Role::AttnKNorm, 64), (Role::MoeRouter, 8 * 64), (Role::MoeGate, 8 * 32 * 64), (Role::MoeUp, 8 * 32 * 64), (Role::MoeDown, 8 * 64 * 32)];
+    let mut s = sizes(2, 64, 64, 64, 16, 32, 256, &extra);
+    s.push((Role::LmHead, None, 256 * 64));
+    check(m::Engine::new(weights(&s)));
+}
