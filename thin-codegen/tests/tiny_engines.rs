@@ -64,8 +64,8 @@ fn smollm3_tiny_runs() {
 #[test]
 fn gemma3_tiny_runs() {
     use thin_generated::gemma3_tiny as m;
-    let extra = [(Role::AttnQNorm, 16), (Role::AttnKNorm, 16), (Role::AttnPostNorm, 64), (Role::FfnPostNorm, 64)];
-    check(m::Engine::new(weights(&sizes(6, 64, 64, 16, 16, 128, 256, &extra))));
+    let extra = [(Role::AttnQNorm, 32), (Role::AttnKNorm, 32), (Role::AttnPostNorm, 64), (Role::FfnPostNorm, 64)];
+    check(m::Engine::new(weights(&sizes(6, 64, 128, 32, 32, 128, 256, &extra))));
 }
 
 #[test]

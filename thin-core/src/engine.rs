@@ -99,3 +99,15 @@ impl Weights for MemWeights {
         self.tensors.get(&(role, layer)).map(|v| WeightView::F32(v.as_slice()))
     }
 }
+
+/// An opened archive serves its tensors in place: the views borrow the mmap, no copy.
+impl Weights for crate::format::Archive {
+    fn get(&self, role: Role, layer: Option<u32>) -> Option<WeightView<'_>> {
+        let entry = self.manifest().tensor(role, layer)?;
+        match entry.dtype {
+            crate::dtype::DType::F32 => self.tensor_f32(role, layer).ok().map(WeightView::F32),
+            crate::dtype::DType::Bf16 => self.tensor_bf16(role, layer).ok().map(WeightView::Bf16),
+            crate::dtype::DType::F16 | crate::dtype::DType::F8E4m3 | crate::dtype::DType::Mxfp4 => None,
+        }
+    }
+}
