@@ -41,3 +41,45 @@ pub const AVAILABLE_FEATURES: &[&str] = &[
     "olmoe-tiny",
     "smollm3-tiny",
 ];
+
+/// The CUDA view of the compiled-in engine whose shape fingerprint the archive has (`None`: not built into this binary).
+#[allow(unused_variables)]
+pub fn cuda_arch(shape_fingerprint: &str) -> Option<thin_core::cuda::plan::CudaArch> {
+    #[cfg(feature = "gemma3-270m")]
+    if shape_fingerprint == gemma3_270m::SHAPE_FINGERPRINT {
+        return Some(gemma3_270m::cuda::arch());
+    }
+    #[cfg(feature = "llama3.2-1b")]
+    if shape_fingerprint == llama3_2_1b::SHAPE_FINGERPRINT {
+        return Some(llama3_2_1b::cuda::arch());
+    }
+    #[cfg(feature = "olmoe-1b-7b")]
+    if shape_fingerprint == olmoe_1b_7b::SHAPE_FINGERPRINT {
+        return Some(olmoe_1b_7b::cuda::arch());
+    }
+    #[cfg(feature = "smollm2-135m")]
+    if shape_fingerprint == smollm2_135m::SHAPE_FINGERPRINT {
+        return Some(smollm2_135m::cuda::arch());
+    }
+    #[cfg(feature = "smollm3-3b")]
+    if shape_fingerprint == smollm3_3b::SHAPE_FINGERPRINT {
+        return Some(smollm3_3b::cuda::arch());
+    }
+    #[cfg(feature = "gemma3-tiny")]
+    if shape_fingerprint == gemma3_tiny::SHAPE_FINGERPRINT {
+        return Some(gemma3_tiny::cuda::arch());
+    }
+    #[cfg(feature = "llama-tiny")]
+    if shape_fingerprint == llama_tiny::SHAPE_FINGERPRINT {
+        return Some(llama_tiny::cuda::arch());
+    }
+    #[cfg(feature = "olmoe-tiny")]
+    if shape_fingerprint == olmoe_tiny::SHAPE_FINGERPRINT {
+        return Some(olmoe_tiny::cuda::arch());
+    }
+    #[cfg(feature = "smollm3-tiny")]
+    if shape_fingerprint == smollm3_tiny::SHAPE_FINGERPRINT {
+        return Some(smollm3_tiny::cuda::arch());
+    }
+    None
+}

@@ -1,5 +1,6 @@
 //! `thin`: convert checkpoints into `.thin` archives, inspect and verify them (and, later, run them).
 
+mod bench;
 mod inspect;
 
 use std::path::PathBuf;
@@ -58,7 +59,41 @@ enum Command {
     },
     /// Check every page checksum of an archive.
     Verify { file: PathBuf },
-    // `thin run` joins here.
+    /// Decode speed on the GPU: the reference method (prefill "Hello", warm-up, timed greedy
+    /// steps) and a llama-bench style pp/tg table, mean ± sd over repetitions.
+    Bench {
+        file: PathBuf,
+        /// KV-cache positions to allocate.
+        #[arg(long, default_value_t = 4096)]
+        ctx: usize,
+        #[arg(long, default_value_t = 10)]
+        warmup: usize,
+        #[arg(long, default_value_t = 200)]
+        steps: usize,
+        #[arg(long, default_value_t = 512)]
+        pp: usize,
+        #[arg(long, default_value_t = 128)]
+        tg: usize,
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+        /// One JSON object instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Teacher-forced logits of the GPU engine over given ids, as raw f32 rows (for fidelity checks).
+    Logits {
+        file: PathBuf,
+        /// A JSON array of token ids.
+        #[arg(long)]
+        ids: PathBuf,
+        /// How many of the ids form the prompt (prefilled at once).
+        #[arg(long)]
+        prompt_len: usize,
+        #[arg(short, long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 4096)]
+        ctx: usize,
+    },
 }
 
 fn main() -> ExitCode {
@@ -98,6 +133,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Command::Bench { file, ctx, warmup, steps, pp, tg, reps, json } => {
+            bench::bench(&file, &bench::BenchOptions { ctx, warmup, steps, pp, tg, reps, json })
+        }
+        Command::Logits { file, ids, prompt_len, out, ctx } => bench::logits(&file, &ids, prompt_len, &out, ctx),
         Command::Verify { file } => {
             let start = Instant::now();
             let a = Archive::open(&file).with_context(|| format!("opening {}", file.display()))?;

@@ -546,43 +546,134 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
     }
 }
 
-/// RMS norm kernel at one width.
-#[derive(askama::Template)]
-#[template(path = "rmsnorm.cu.j2", escape = "none")]
-pub struct RmsNormKernel { pub dim: u64, pub eps: String }
-
-/// Matvec kernel at one `[out, in]` shape and weight storage type.
-#[derive(askama::Template)]
-#[template(path = "matvec.cu.j2", escape = "none")]
-pub struct MatvecKernel { pub out_dim: u64, pub in_dim: u64, pub wtype: &'static str, pub wname: &'static str, pub load: &'static str }
-
-const TEMPLATES: [&str; 2] = [include_str!("../../kernels/rmsnorm.cu.j2"), include_str!("../../kernels/matvec.cu.j2")];
-
-/// One CUDA source per shape the plan uses: file name → source (without header).
-pub fn emit_kernels(d: &Description, plan: &Plan) -> Result<BTreeMap<String, String>, askama::Error> {
-    use askama::Template;
-    let mut norms = std::collections::BTreeSet::new();
-    let mut mats = std::collections::BTreeSet::new();
-    for op in plan.prologue.iter().chain(plan.layers.iter().flat_map(|l| l.ops.iter())).chain(plan.epilogue.iter()) {
-        match op {
-            Op::RmsNorm { dim, .. } | Op::QkNorm { dim, .. } => { norms.insert(*dim); }
-            Op::Matvec { out_dim, in_dim, .. } => { mats.insert((*out_dim, *in_dim)); }
-            Op::Mlp { ffn, .. } | Op::Moe { ffn, .. } => {
-                mats.insert((*ffn, d.dims.hidden_size));
-                mats.insert((d.dims.hidden_size, *ffn));
+/// The `cuda` submodule of a generated engine: the arch as the CUDA runtime sees it, with the
+/// kernel sources embedded. Plain data, so it builds with or without the `cuda` feature.
+pub fn emit_cuda_module(d: &Description, plan: &Plan) -> TokenStream {
+    let a = &d.attention;
+    let u = |x: u64| lit_u(x);
+    let (vocab, hidden, heads, kv, hd, ffn) = (u(d.dims.vocab_size), u(d.dims.hidden_size), u(a.num_heads), u(a.num_kv_heads), u(a.head_dim), u(d.dims.intermediate_size));
+    let max_pos = u(d.dims.max_position_embeddings);
+    let sandwich = d.norm.placement == Placement::Sandwich;
+    let qk_norm = a.qk_norm != QkNorm::None;
+    let tied = d.embedding.tie_word_embeddings;
+    let moe = d.moe.is_some();
+    let opt = |x: Option<f64>| match x { Some(c) => { let c = c as f32; quote!(Some(#c)) } None => quote!(None) };
+    let (attn_softcap, final_softcap) = (opt(a.softcap), opt(d.final_logit_softcap));
+    let inv = |t: f64| match &d.rope.scaling {
+        Some(sc) => {
+            let (f, lo, hi, orig) = (sc.factor, sc.low_freq_factor, sc.high_freq_factor, sc.original_max_position_embeddings as f64);
+            quote!(thin_core::cpu::llama3_inv_freq(&thin_core::cpu::rope_inv_freq(#hd, #t), #f, #lo, #hi, #orig))
+        }
+        None => quote!(thin_core::cpu::rope_inv_freq(#hd, #t)),
+    };
+    let (inv_g, inv_l) = (inv(d.rope.theta), inv(d.rope.local_theta.unwrap_or(d.rope.theta)));
+    let layers: Vec<_> = plan
+        .layers
+        .iter()
+        .map(|lp| {
+            let sliding = lp.attention == AttnKind::Sliding;
+            let rope = if !lp.rope {
+                quote!(None)
+            } else if sliding && d.rope.local_theta.is_some() {
+                quote!(Some(RopeTable::Local))
+            } else {
+                quote!(Some(RopeTable::Global))
+            };
+            let window = match (sliding, a.sliding_window) { (true, Some(w)) => { let w = w as usize; quote!(Some(#w)) } _ => quote!(None) };
+            quote!(LayerSpec { rope: #rope, window: #window })
+        })
+        .collect();
+    quote! {
+        /// This engine on the CUDA backend: shapes, per-layer kinds, kernel sources (see `kernels/`).
+        pub mod cuda {
+            use thin_core::cuda::plan::{CudaArch, LayerSpec, RopeTable};
+            pub const KERNELS_BF16: &str = include_str!("kernels/decode_bf16.cu");
+            pub const KERNELS_F32: &str = include_str!("kernels/decode_f32.cu");
+            pub fn arch() -> CudaArch {
+                CudaArch {
+                    arch: super::ARCH,
+                    fingerprint: super::SHAPE_FINGERPRINT,
+                    vocab: #vocab,
+                    hidden: #hidden,
+                    heads: #heads,
+                    kv_heads: #kv,
+                    head_dim: #hd,
+                    ffn: #ffn,
+                    max_positions: #max_pos,
+                    sandwich: #sandwich,
+                    qk_norm: #qk_norm,
+                    tied_embeddings: #tied,
+                    moe: #moe,
+                    attn_softcap: #attn_softcap,
+                    final_softcap: #final_softcap,
+                    inv_freq_global: #inv_g,
+                    inv_freq_local: #inv_l,
+                    layers: vec![#(#layers),*],
+                    kernels_bf16: KERNELS_BF16,
+                    kernels_f32: KERNELS_F32,
+                }
             }
-            Op::LmHead { vocab, hidden, .. } => { mats.insert((*vocab, *hidden)); }
-            Op::Embed { .. } | Op::Rope { .. } | Op::KvWrite { .. } | Op::Attention { .. } | Op::ResidualAdd { .. } | Op::Softcap { .. } => {}
         }
     }
+}
+
+/// The decode-step kernels of one arch at its exact shapes, for one weight storage type.
+#[derive(askama::Template)]
+#[template(path = "decode.cu.j2", escape = "none")]
+pub struct DecodeKernels {
+    pub arch: String,
+    pub wname: &'static str,
+    pub vocab: u64,
+    pub hidden: u64,
+    pub heads: u64,
+    pub kv_heads: u64,
+    pub head_dim: u64,
+    pub ffn: u64,
+    pub eps: String,
+    pub emb_scale: String,
+    pub attn_scale: String,
+    pub act: &'static str,
+    pub qk_norm: bool,
+    pub attn_chunk: usize,
+    pub matvec_warps: u32,
+    pub attn_warps: u32,
+}
+
+const TEMPLATES: [&str; 1] = [include_str!("../../kernels/decode.cu.j2")];
+
+/// Weight storage types the kernels are instantiated for: (file/name suffix, whether bf16).
+pub const KERNEL_WEIGHT_TYPES: [&str; 2] = ["bf16", "f32"];
+
+/// CUDA sources of one arch: file name → source (without header), one per weight storage type.
+pub fn emit_kernels(d: &Description, _plan: &Plan) -> Result<BTreeMap<String, String>, askama::Error> {
+    use askama::Template;
+    use thin_core::cuda::plan as cp;
+    let a = &d.attention;
+    let h = d.dims.hidden_size;
     let mut out = BTreeMap::new();
-    for dim in norms {
-        out.insert(format!("rmsnorm_{dim}.cu"), RmsNormKernel { dim, eps: format!("{:e}", d.norm.eps) }.render()?);
-    }
-    for (o, i) in mats {
-        for (wtype, wname, load) in [("float", "f32", ""), ("__nv_bfloat16", "bf16", "__bfloat162float")] {
-            out.insert(format!("matvec_{wname}_{o}x{i}.cu"), MatvecKernel { out_dim: o, in_dim: i, wtype, wname, load }.render()?);
-        }
+    for wname in KERNEL_WEIGHT_TYPES {
+        let emb = match d.embedding.scale { EmbScale::None => 1.0, EmbScale::SqrtHidden => (h as f64).sqrt() };
+        // HF multiplies by the scale cast to the weights' dtype: in bf16 that is the bf16-rounded value.
+        let emb = if wname == "bf16" { half::bf16::from_f64(emb).to_f64() } else { emb };
+        let k = DecodeKernels {
+            arch: d.model.name.clone(),
+            wname,
+            vocab: d.dims.vocab_size,
+            hidden: h,
+            heads: a.num_heads,
+            kv_heads: a.num_kv_heads,
+            head_dim: a.head_dim,
+            ffn: d.dims.intermediate_size,
+            eps: format!("{:e}", d.norm.eps),
+            emb_scale: format!("{emb:e}"),
+            attn_scale: format!("{:e}", 1.0 / a.query_pre_attn_scalar.unwrap_or(a.head_dim as f64).sqrt()),
+            act: match d.mlp.kind { MlpKind::Swiglu => "silu", MlpKind::GegluTanh => "gelu_tanh" },
+            qk_norm: a.qk_norm == QkNorm::PerHead,
+            attn_chunk: cp::ATTN_CHUNK,
+            matvec_warps: cp::MATVEC_WARPS,
+            attn_warps: cp::ATTN_WARPS,
+        };
+        out.insert(format!("decode_{wname}.cu"), k.render()?);
     }
     Ok(out)
 }
@@ -605,7 +696,8 @@ pub fn generate_one_with_kernels(rel: &str, text: &str) -> Result<(String, Plan,
     let d = parse(rel, text)?;
     validate(rel, &d)?;
     let plan = lower(&d);
-    let tokens = emit_rust(&d, &plan);
+    let mut tokens = emit_rust(&d, &plan);
+    tokens.extend(emit_cuda_module(&d, &plan));
     let file = syn::parse2::<syn::File>(tokens).map_err(|e| CodegenError::Parse { file: rel.into(), msg: format!("emitted Rust does not parse: {e}") })?;
     let mut h = blake3::Hasher::new();
     h.update(text.as_bytes());
@@ -669,6 +761,12 @@ pub fn generate_all(root: &Path) -> Result<BTreeMap<PathBuf, String>, CodegenErr
         lib += &format!("    \"{f}\",\n");
     }
     lib += "];\n";
+    lib += "\n/// The CUDA view of the compiled-in engine whose shape fingerprint the archive has (`None`: not built into this binary).\n";
+    lib += "#[allow(unused_variables)]\npub fn cuda_arch(shape_fingerprint: &str) -> Option<thin_core::cuda::plan::CudaArch> {\n";
+    for f in &feats {
+        lib += &format!("    #[cfg(feature = \"{f}\")]\n    if shape_fingerprint == {m}::SHAPE_FINGERPRINT {{\n        return Some({m}::cuda::arch());\n    }}\n", m = module_name(f));
+    }
+    lib += "    None\n}\n";
     files.insert(PathBuf::from("generated/lib.rs"), lib);
     Ok(files)
 }

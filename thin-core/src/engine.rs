@@ -15,6 +15,8 @@ pub enum EngineError {
     ContextFull { pos: usize, max_seq: usize },
     #[error("prefill needs at least one token")]
     EmptyPrompt,
+    #[error("backend: {0}")]
+    Backend(String),
     #[error("shape fingerprint mismatch: engine {engine}, archive {archive}")]
     Fingerprint { engine: String, archive: String },
 }

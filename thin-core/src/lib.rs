@@ -5,6 +5,7 @@ pub mod arch;
 pub mod codec;
 pub mod convert;
 pub mod cpu;
+pub mod cuda;
 pub mod dtype;
 pub mod engine;
 pub mod format;

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device run: random-weight real-shape HF models -> thin convert -> thin bench + fidelity vs HF
+# bf16 -> (PEER=1) the HF peer, eager and compiled, on the same shapes in the same run.
+# Writes JSON lines under $OUT; bench/collect.py turns them into bench/results/h200.jsonl rows.
+#   MODELS="smollm2-135m llama3.2-1b smollm3-3b" PEER=1 bash bench/h200.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/thin-out}
+mkdir -p "$OUT"
+BIN=${THIN_BIN:-.bin/thin}
+MODELS=${MODELS:-"smollm2-135m llama3.2-1b smollm3-3b"}
+W=${WORK:-/tmp/thin-bench}
+export PYTHONUNBUFFERED=1 THIN_CACHE_DIR=$W/cache
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+    $(python3 -c "import nvidia, os; print(' '.join(os.path.join(p, s, 'lib') for p in nvidia.__path__ for s in ('cuda_nvrtc', 'cu13')))" 2>/dev/null); do
+  [ -d "$d" ] && LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+done
+export LD_LIBRARY_PATH
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 bench/make_models.py "$W/hf" $MODELS 2>&1 | grep -v Warning
+for m in $MODELS; do
+  "$BIN" convert "$W/hf/$m" -o "$W/$m.thin" --profile bf16 --quiet || { echo "{\"model\":\"$m\",\"error\":\"convert\"}" | tee -a "$OUT/thin.jsonl"; continue; }
+  # First start compiles the kernels into the cache; the timed run below starts warm.
+  "$BIN" bench "$W/$m.thin" --json --steps 20 --reps 1 --pp 16 --tg 16 > "$OUT/cold_$m.json" 2> "$OUT/cold_$m.err" || cat "$OUT/cold_$m.err"
+  "$BIN" bench "$W/$m.thin" --json | tee -a "$OUT/thin.jsonl"
+  python3 bench/fidelity.py "$W/hf/$m" "$BIN" "$W/$m.thin" "$m" ${FIDELITY_ARGS:-} 2>&1 | grep -v Warning | tee -a "$OUT/fidelity.jsonl"
+done
+if [ "${PEER:-0}" = 1 ]; then
+  python3 bench/hf_peer.py eager $MODELS 2>&1 | grep '^{' | tee "$OUT/peer_eager.jsonl"
+  python3 bench/hf_peer.py compiled $MODELS 2>&1 | grep '^{' | tee "$OUT/peer_compiled.jsonl"
+fi

@@ -1,0 +1,96 @@
+# Copied verbatim from the shared benchmark kit (../shared/bench/hf_peer.py) so device runs carry it.
+"""HF transformers batch-1 decode baseline on random-weight models at real shapes.
+
+Usage: python3 hf_peer.py MODE [names...]   MODE = eager | compiled
+"compiled" is gpt-fast style: one StaticCache of fixed size, forward compiled with
+mode="reduce-overhead" (CUDA graphs), the strongest plain-PyTorch peer.
+Prints one JSON line per model: tok/s over timed decode steps, peak allocated GiB.
+"""
+import json, os, sys, time
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, LlamaConfig, SmolLM3Config, OlmoeConfig, Gemma3TextConfig
+
+CONFIGS = {
+    "smollm2-135m": lambda: LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+        max_position_embeddings=8192),
+    "gemma3-270m": lambda: Gemma3TextConfig(hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+        sliding_window=512, query_pre_attn_scalar=256, max_position_embeddings=32768),
+    "llama3.2-1b": lambda: LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+        tie_word_embeddings=True, max_position_embeddings=8192),
+    "smollm3-3b": lambda: SmolLM3Config(),
+    "olmoe-1b-7b": lambda: OlmoeConfig(intermediate_size=1024),
+}
+
+def build(name):
+    torch.manual_seed(0)
+    cfg = CONFIGS[name]()
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return model.eval(), cfg
+
+@torch.no_grad()
+def eager(model, steps, warm):
+    ids = torch.tensor([[1, 9906]], device="cuda")
+    out = model(ids, use_cache=True)
+    past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    for _ in range(warm):
+        out = model(tok, past_key_values=past, use_cache=True)
+        past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    for _ in range(steps):
+        out = model(tok, past_key_values=past, use_cache=True)
+        past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    torch.cuda.synchronize()
+    return steps / (time.perf_counter() - t)
+
+@torch.no_grad()
+def compiled(model, steps, warm):
+    from transformers import StaticCache
+    cache = StaticCache(config=model.config, max_cache_len=512)
+    ids = torch.tensor([[1, 9906]], device="cuda")
+    out = model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(2, device="cuda"))
+    tok = out.logits[:, -1:].argmax(-1)
+    fwd = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False, dynamic=False)
+    pos = 2
+    def step(tok, pos):
+        cp = torch.tensor([pos], device="cuda")
+        o = fwd(tok, past_key_values=cache, use_cache=True, cache_position=cp)
+        return o.logits[:, -1:].argmax(-1).clone()
+    t0 = time.perf_counter()
+    for _ in range(warm + 3):
+        tok = step(tok, pos); pos += 1
+    torch.cuda.synchronize(); compile_s = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    for _ in range(steps):
+        tok = step(tok, pos); pos += 1
+    torch.cuda.synchronize()
+    print(json.dumps({"compile_and_warm_s": round(compile_s, 1)}), flush=True)
+    return steps / (time.perf_counter() - t)
+
+def main():
+    mode = sys.argv[1]
+    names = sys.argv[2:] or list(CONFIGS)
+    print(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__,
+                      "gpu": torch.cuda.get_device_name()}), flush=True)
+    for name in names:
+        try:
+            model, cfg = build(name)
+            params = sum(p.numel() for p in model.parameters())
+            steps = 50 if "olmoe" in name else 200
+            tps = (eager if mode == "eager" else compiled)(model, steps, 10)
+            rec = {"model": name, "mode": mode, "params": params, "tok_s": round(tps, 2),
+                   "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
+        except Exception as e:  # report and go on to the next model
+            rec = {"model": name, "mode": mode, "error": repr(e)[:400]}
+        print(json.dumps(rec), flush=True)
+        del model
+        torch.cuda.empty_cache()
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+//! `thin bench` (the reference decode method and a llama-bench style pp/tg table) and `thin logits`
+//! (teacher-forced logits for fidelity checks against another engine).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use serde_json::json;
+use thin_core::engine::Engine;
+use thin_core::format::Archive;
+use thin_core::role::Role;
+use thin_core::sampler::argmax;
+
+/// An engine the benchmark can drive, with the greedy fast path where the backend has one.
+pub trait BenchEngine: Engine {
+    fn greedy(&mut self, token: u32) -> anyhow::Result<u32> {
+        Ok(argmax(&self.decode_step(token)?))
+    }
+    fn device_bytes(&self) -> Option<usize> {
+        None
+    }
+    fn load_stats(&self) -> serde_json::Value {
+        serde_json::Value::Null
+    }
+    fn arch_name(&self) -> String {
+        String::new()
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl BenchEngine for thin_core::cuda::runtime::CudaEngine {
+    fn greedy(&mut self, token: u32) -> anyhow::Result<u32> {
+        Ok(self.next_greedy(token)?)
+    }
+    fn device_bytes(&self) -> Option<usize> {
+        Some(thin_core::cuda::runtime::CudaEngine::device_bytes(self))
+    }
+    fn load_stats(&self) -> serde_json::Value {
+        serde_json::to_value(&self.stats).unwrap_or_default()
+    }
+    fn arch_name(&self) -> String {
+        self.arch.to_string()
+    }
+}
+
+/// Open the CUDA engine compiled into this binary for the archive's arch.
+#[cfg(feature = "cuda")]
+pub fn open_cuda(archive: &Archive, ctx: usize, progress: bool) -> anyhow::Result<thin_core::cuda::runtime::CudaEngine> {
+    let m = archive.manifest();
+    let Some(arch) = thin_generated::cuda_arch(&m.shape_fingerprint) else {
+        bail!(
+            "this thin carries no engine for this archive ({:?}, {} layers, hidden {}, shape fingerprint {}); rebuild with `cargo build --release --features cuda,<arch>` (arch features: {})",
+            m.arch.family,
+            m.arch.num_layers,
+            m.arch.hidden_size,
+            m.shape_fingerprint,
+            thin_generated::AVAILABLE_FEATURES.join(", ")
+        );
+    };
+    Ok(thin_core::cuda::runtime::CudaEngine::new(archive, &arch, ctx, progress)?)
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn open_cuda(_archive: &Archive, _ctx: usize, _progress: bool) -> anyhow::Result<NoEngine> {
+    bail!("this thin was built without the CUDA backend; rebuild with `cargo build --release --features cuda,<arch>`")
+}
+
+/// Stand-in type so the CLI compiles without `cuda`; never constructed.
+#[cfg(not(feature = "cuda"))]
+pub enum NoEngine {}
+#[cfg(not(feature = "cuda"))]
+impl Engine for NoEngine {
+    fn prefill(&mut self, _: &[u32]) -> Result<Vec<f32>, thin_core::engine::EngineError> {
+        match *self {}
+    }
+    fn decode_step(&mut self, _: u32) -> Result<Vec<f32>, thin_core::engine::EngineError> {
+        match *self {}
+    }
+    fn reset(&mut self) {
+        match *self {}
+    }
+}
+#[cfg(not(feature = "cuda"))]
+impl BenchEngine for NoEngine {}
+
+fn mean_sd(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len() as f64;
+    let m = xs.iter().sum::<f64>() / n;
+    let var = if xs.len() > 1 { xs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0) } else { 0.0 };
+    (m, var.sqrt())
+}
+
+pub struct BenchOptions {
+    pub ctx: usize,
+    pub warmup: usize,
+    pub steps: usize,
+    pub pp: usize,
+    pub tg: usize,
+    pub reps: usize,
+    pub json: bool,
+}
+
+/// Prompt ids for a pp run: deterministic, spread over the vocabulary, no special meaning.
+fn synthetic_prompt(n: usize, vocab: usize) -> Vec<u32> {
+    (0..n).map(|i| ((i as u64 * 7919 + 13) % vocab as u64) as u32).collect()
+}
+
+pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
+    let start = Instant::now();
+    let archive = Archive::open(file).with_context(|| format!("opening {}", file.display()))?;
+    let m = archive.manifest();
+    let vocab = m.arch.vocab_size as usize;
+    let profile = m.tensor(Role::TokenEmbd, None).map(|t| t.dtype.name()).unwrap_or("?");
+    let tok = thin_core::tokenizer::TextTokenizer::from_info(&m.tokenizer).context("building the tokenizer")?;
+    let hello = tok.encode("Hello").context("encoding the prompt")?;
+    let mut e = open_cuda(&archive, opts.ctx, !opts.json)?;
+    // Cold start to first token: open + compile/cache + upload + capture + the first prefill.
+    let logits = e.prefill(&hello)?;
+    let first_token_s = start.elapsed().as_secs_f64();
+    let mut next = argmax(&logits);
+
+    // (a) the reference method: prefill "Hello", warm up, time greedy decode steps.
+    for _ in 0..opts.warmup {
+        next = e.greedy(next)?;
+    }
+    let t = Instant::now();
+    for _ in 0..opts.steps {
+        next = e.greedy(next)?;
+    }
+    let decode_tok_s = opts.steps as f64 / t.elapsed().as_secs_f64();
+
+    // (b) llama-bench style: pp (prompt of `pp` tokens from an empty cache) and tg (greedy tokens
+    // after a one-token prompt), each repeated.
+    let prompt = synthetic_prompt(opts.pp, vocab);
+    let (mut pp, mut tg) = (Vec::new(), Vec::new());
+    for _ in 0..opts.reps {
+        e.reset();
+        let t = Instant::now();
+        let l = e.prefill(&prompt)?;
+        pp.push(opts.pp as f64 / t.elapsed().as_secs_f64());
+        std::hint::black_box(l);
+        e.reset();
+        let mut n = argmax(&e.prefill(&prompt[..1])?);
+        let t = Instant::now();
+        for _ in 0..opts.tg {
+            n = e.greedy(n)?;
+        }
+        tg.push(opts.tg as f64 / t.elapsed().as_secs_f64());
+    }
+    let (pp_m, pp_sd) = mean_sd(&pp);
+    let (tg_m, tg_sd) = mean_sd(&tg);
+    let peak = BenchEngine::device_bytes(&e).map(|b| b as f64 / (1u64 << 30) as f64);
+    let rec = json!({
+        "model": e.arch_name(),
+        "profile": profile,
+        "engine": "thin",
+        "backend": "cuda",
+        "decode_tok_s": (decode_tok_s * 100.0).round() / 100.0,
+        "decode_method": format!("prefill \"Hello\" ({} ids), {} warm-up, {} timed greedy steps", hello.len(), opts.warmup, opts.steps),
+        "prefill_tok_s": (pp_m * 100.0).round() / 100.0,
+        "pp": {"n": opts.pp, "mean": pp_m, "sd": pp_sd, "reps": pp},
+        "tg": {"n": opts.tg, "mean": tg_m, "sd": tg_sd, "reps": tg},
+        "peak_gib": peak,
+        "cold_start_to_first_token_s": first_token_s,
+        "load": e.load_stats(),
+    });
+    if opts.json {
+        println!("{rec}");
+    } else {
+        let name = e.arch_name();
+        println!("{name} ({profile}), reference method: {decode_tok_s:.1} tok/s decode");
+        println!("| model | test | t/s |");
+        println!("|---|---|---|");
+        println!("| {} {} | pp{} | {:.1} ± {:.1} |", name, profile, opts.pp, pp_m, pp_sd);
+        println!("| {} {} | tg{} | {:.1} ± {:.1} |", name, profile, opts.tg, tg_m, tg_sd);
+        if let Some(p) = peak {
+            println!("device memory held: {p:.3} GiB; cold start to first token {first_token_s:.2} s");
+        }
+    }
+    Ok(())
+}
+
+/// Teacher-forced logits: prefill `ids[..prompt_len]`, then feed each following id; writes one
+/// little-endian f32 row of `vocab` logits per position from `prompt_len - 1` to the end.
+pub fn logits(file: &Path, ids_file: &Path, prompt_len: usize, out: &PathBuf, ctx: usize) -> anyhow::Result<()> {
+    let archive = Archive::open(file).with_context(|| format!("opening {}", file.display()))?;
+    let ids: Vec<u32> = serde_json::from_str(&std::fs::read_to_string(ids_file).with_context(|| format!("reading {}", ids_file.display()))?)
+        .with_context(|| format!("{}: expected a JSON array of token ids", ids_file.display()))?;
+    if prompt_len == 0 || prompt_len > ids.len() {
+        bail!("--prompt-len {prompt_len} must be between 1 and the {} ids given", ids.len());
+    }
+    let mut e = open_cuda(&archive, ctx, false)?;
+    let tmp = out.with_extension("partial");
+    let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?);
+    let mut put = |row: &[f32]| -> anyhow::Result<()> {
+        for v in row {
+            w.write_all(&v.to_le_bytes())?;
+        }
+        Ok(())
+    };
+    put(&e.prefill(&ids[..prompt_len])?)?;
+    for &t in &ids[prompt_len..] {
+        put(&e.decode_step(t)?)?;
+    }
+    drop(put);
+    w.flush()?;
+    drop(w);
+    std::fs::rename(&tmp, out)?;
+    eprintln!("wrote {} rows of logits to {}", ids.len() - prompt_len + 1, out.display());
+    Ok(())
+}

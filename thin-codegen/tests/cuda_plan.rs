@@ -1,0 +1,86 @@
+//! The CUDA decode plan of each generated engine against a real converted archive: every weight
+//! the launches read exists with the shape the kernels assume, and the per-layer RoPE / window
+//! choices equal what the converter recorded from the HF config. Host-side only: no GPU needed.
+
+use std::path::PathBuf;
+
+use thin_core::arch::LayerAttention;
+use thin_core::convert::{convert, ConvertOptions};
+use thin_core::cuda::plan::{decode_launches, weights_used, CudaArch, Layout, PlanError, RopeTable};
+use thin_core::format::Archive;
+use thin_core::quant::Profile;
+use thin_core::role::Role;
+
+fn archive(name: &str, dir: &tempfile::TempDir) -> Archive {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny").join(name);
+    let out = dir.path().join(format!("{name}.thin"));
+    convert(&src, &out, &ConvertOptions { profile: Profile::Bf16, progress: false }).expect("convert");
+    Archive::open(&out).expect("open")
+}
+
+fn expected_elems(a: &CudaArch, role: Role) -> usize {
+    let (q, kv, h) = (a.heads * a.head_dim, a.kv_heads * a.head_dim, a.hidden);
+    match role {
+        Role::TokenEmbd | Role::LmHead => a.vocab * h,
+        Role::AttnQ => q * h,
+        Role::AttnK | Role::AttnV => kv * h,
+        Role::AttnO => h * q,
+        Role::FfnGate | Role::FfnUp | Role::FfnDown => a.ffn * h,
+        Role::AttnQNorm | Role::AttnKNorm => a.head_dim,
+        _ => h,
+    }
+}
+
+fn check(name: &str, arch: CudaArch) -> Archive {
+    let dir = tempfile::tempdir().unwrap();
+    let ar = archive(name, &dir);
+    let m = ar.manifest();
+    assert_eq!(m.shape_fingerprint, arch.fingerprint, "{name}");
+    assert_eq!(arch.layers.len() as u64, m.arch.num_layers);
+    for (l, spec) in arch.layers.iter().enumerate() {
+        assert_eq!(spec.rope.is_none(), m.arch.no_rope_layers.contains(&(l as u64)), "{name} layer {l} rope");
+        let sliding = m.arch.layer_attention.get(l) == Some(&LayerAttention::SlidingWindow);
+        assert_eq!(spec.window.is_some(), sliding, "{name} layer {l} window");
+        if sliding {
+            assert_eq!(spec.window.map(|w| w as u64), m.arch.sliding_window);
+        }
+    }
+    let layout = Layout::new(&arch, 64).unwrap();
+    let launches = decode_launches(&arch, &layout, 132).unwrap();
+    for (role, layer) in weights_used(&launches) {
+        let t = m.tensor(role, layer).unwrap_or_else(|| panic!("{name}: the CUDA plan reads {role:?} {layer:?}, absent from the archive"));
+        let n: u64 = t.shape.iter().product();
+        assert_eq!(n as usize, expected_elems(&arch, role), "{name}: {role:?} {layer:?} shape {:?}", t.shape);
+    }
+    assert!(arch.kernels_bf16.contains(&format!("constexpr int HIDDEN = {};", arch.hidden)), "{name}: kernels rendered at the arch's shapes");
+    assert!(arch.kernels_f32.contains("typedef float W;"));
+    ar
+}
+
+#[test]
+fn llama_plan_matches_its_archive() {
+    check("llama-tiny", thin_generated::llama_tiny::cuda::arch());
+}
+
+#[test]
+fn smollm3_plan_skips_rope_where_the_archive_says() {
+    let a = thin_generated::smollm3_tiny::cuda::arch();
+    assert_eq!(a.layers.iter().filter(|l| l.rope.is_none()).count(), 1, "4 layers, every 4th without RoPE");
+    check("smollm3-tiny", a);
+}
+
+#[test]
+fn gemma3_plan_has_windows_local_rope_and_sandwich_norms() {
+    let a = thin_generated::gemma3_tiny::cuda::arch();
+    assert!(a.sandwich && a.qk_norm, "post norms and per-head QK-norm");
+    assert!(a.layers.iter().any(|l| l.rope == Some(RopeTable::Local)));
+    assert!(a.kernels_bf16.contains("tanhf"), "GeGLU-tanh activation");
+    check("gemma3-tiny", a);
+}
+
+#[test]
+fn olmoe_is_refused_by_name() {
+    let a = thin_generated::olmoe_tiny::cuda::arch();
+    let layout = Layout::new(&a, 64).unwrap();
+    assert!(matches!(decode_launches(&a, &layout, 132), Err(PlanError::Unsupported { .. })));
+}

@@ -1,0 +1,480 @@
+//! Host-side plan of the CUDA decode step: what an arch needs on the device (buffer layout), which
+//! kernels run in which order with which arguments (the launch list captured into one CUDA graph),
+//! and the kernel cache key. Pure data, compiled and unit-tested without a GPU or CUDA toolkit.
+
+use std::collections::BTreeMap;
+
+use crate::role::Role;
+
+/// Warps per block of every matvec kernel (one output row per warp at a time). The kernel
+/// template receives the same constant, so plan and kernels cannot disagree.
+pub const MATVEC_WARPS: u32 = 8;
+/// Warps per block of the split attention kernel.
+pub const ATTN_WARPS: u32 = 4;
+/// KV-cache rows per attention block (flash-decoding split).
+pub const ATTN_CHUNK: usize = 64;
+/// Matvec grids stop growing at this many blocks per multiprocessor; warps then stride over rows.
+pub const MATVEC_BLOCKS_PER_SM: u32 = 8;
+/// Byte alignment of every region in the device arenas (16-byte vector loads need 16; 256 matches cudaMalloc).
+pub const ALIGN: usize = 256;
+
+/// Which RoPE table a layer rotates with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum RopeTable {
+    Global,
+    Local,
+}
+
+/// One layer as the decode step sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerSpec {
+    pub rope: Option<RopeTable>,
+    /// Sliding-window length (attend to the last `window` positions), or full attention.
+    pub window: Option<usize>,
+}
+
+/// What a generated module tells the CUDA runtime about its arch: shapes, per-layer kinds and the
+/// kernel sources thin-codegen rendered at those shapes.
+#[derive(Debug, Clone)]
+pub struct CudaArch {
+    pub arch: &'static str,
+    pub fingerprint: &'static str,
+    pub vocab: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn: usize,
+    pub max_positions: usize,
+    /// Gemma-style post-attention and post-FFN norms before each residual add.
+    pub sandwich: bool,
+    /// Per-head RMS norm of q and k before RoPE.
+    pub qk_norm: bool,
+    pub tied_embeddings: bool,
+    pub moe: bool,
+    pub attn_softcap: Option<f32>,
+    pub final_softcap: Option<f32>,
+    pub inv_freq_global: Vec<f64>,
+    pub inv_freq_local: Vec<f64>,
+    pub layers: Vec<LayerSpec>,
+    /// Kernel sources, weights stored as bf16 and as f32.
+    pub kernels_bf16: &'static str,
+    pub kernels_f32: &'static str,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum PlanError {
+    #[error("{arch}: the CUDA backend has no {what} yet; use --backend cpu")]
+    Unsupported { arch: String, what: &'static str },
+    #[error("context length {ctx} must be between 1 and the arch's max_position_embeddings {max}")]
+    Context { ctx: usize, max: usize },
+}
+
+/// A device buffer of the decode step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Buf {
+    /// Residual stream `[hidden]` f32.
+    X,
+    /// q | k | v of the current token, f32.
+    Qkv,
+    /// Attention output `[heads * head_dim]` f32.
+    Att,
+    /// A projection output before its post-norm (sandwich archs) `[hidden]` f32.
+    O,
+    /// MLP activation `[ffn]` f32.
+    Act,
+    Logits,
+    /// Attention partials `[heads, splits, head_dim + 2]` f32.
+    Part,
+    /// The current token id (i32), written by the host or by the previous step's argmax.
+    Tok,
+    /// The current position (i32); the step's last kernel increments it.
+    Pos,
+    Cos(RopeTable),
+    Sin(RopeTable),
+    KCache(usize),
+    VCache(usize),
+}
+
+/// Offsets of every buffer in one device arena.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    pub ctx: usize,
+    pub splits: usize,
+    pub total_bytes: usize,
+    regions: BTreeMap<Buf, (usize, usize)>,
+}
+
+fn align(x: usize) -> usize {
+    x.div_ceil(ALIGN) * ALIGN
+}
+
+impl Layout {
+    /// Lay out the activations, RoPE tables and a bf16 KV cache of `ctx` positions.
+    pub fn new(a: &CudaArch, ctx: usize) -> Result<Layout, PlanError> {
+        if ctx == 0 || ctx > a.max_positions {
+            return Err(PlanError::Context { ctx, max: a.max_positions });
+        }
+        let splits = ctx.div_ceil(ATTN_CHUNK);
+        let (q, kv) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
+        let half = a.head_dim / 2;
+        let mut sizes: Vec<(Buf, usize)> = vec![
+            (Buf::X, a.hidden * 4),
+            (Buf::Qkv, (q + 2 * kv) * 4),
+            (Buf::Att, q * 4),
+            (Buf::O, a.hidden * 4),
+            (Buf::Act, a.ffn * 4),
+            (Buf::Logits, a.vocab * 4),
+            (Buf::Part, a.heads * splits * (a.head_dim + 2) * 4),
+            (Buf::Tok, 4),
+            (Buf::Pos, 4),
+        ];
+        for t in [RopeTable::Global, RopeTable::Local] {
+            if a.layers.iter().any(|l| l.rope == Some(t)) {
+                sizes.push((Buf::Cos(t), ctx * half * 4));
+                sizes.push((Buf::Sin(t), ctx * half * 4));
+            }
+        }
+        for l in 0..a.layers.len() {
+            sizes.push((Buf::KCache(l), ctx * kv * 2));
+            sizes.push((Buf::VCache(l), ctx * kv * 2));
+        }
+        let mut regions = BTreeMap::new();
+        let mut off = 0;
+        for (b, n) in sizes {
+            regions.insert(b, (off, n));
+            off += align(n);
+        }
+        Ok(Layout { ctx, splits, total_bytes: off, regions })
+    }
+
+    /// (offset, bytes) of a buffer; `None` if this arch does not use it.
+    pub fn get(&self, b: Buf) -> Option<(usize, usize)> {
+        self.regions.get(&b).copied()
+    }
+
+    pub fn regions(&self) -> impl Iterator<Item = (Buf, usize, usize)> + '_ {
+        self.regions.iter().map(|(b, (o, n))| (*b, *o, *n))
+    }
+
+    /// Bytes of the KV cache alone.
+    pub fn kv_bytes(&self) -> usize {
+        self.regions.iter().filter(|(b, _)| matches!(b, Buf::KCache(_) | Buf::VCache(_))).map(|(_, (_, n))| *n).sum()
+    }
+}
+
+/// One kernel argument, resolved to a device pointer or a value at capture time.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Arg {
+    Buf(Buf),
+    Weight(Role, Option<u32>),
+    /// A null pointer (an optional weight this arch does not have).
+    Null,
+    I32(i32),
+}
+
+/// One kernel launch of the decode step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Launch {
+    pub kernel: &'static str,
+    pub grid: (u32, u32),
+    pub block: u32,
+    pub args: Vec<Arg>,
+}
+
+/// Every kernel name the decode step may launch (the runtime resolves them once at load).
+pub const KERNELS: &[&str] = &[
+    "embed",
+    "norm_qkv",
+    "qk_rope_kv",
+    "attn_partial",
+    "attn_combine",
+    "o_residual",
+    "o_proj",
+    "down_residual",
+    "down_proj",
+    "norm_residual",
+    "norm_gateup",
+    "norm_lm_head",
+    "argmax_step",
+];
+
+fn matvec_grid(rows: usize, sm_count: u32) -> (u32, u32) {
+    let need = rows.div_ceil(MATVEC_WARPS as usize) as u32;
+    (need.min(sm_count.max(1) * MATVEC_BLOCKS_PER_SM).max(1), 1)
+}
+
+/// The whole decode step, in order: embed, per layer (norm+QKV, QK-norm+RoPE+KV write, split
+/// attention, combine, O projection + residual, norm+gate/up+activation, down + residual), then
+/// final norm + LM head and argmax (which also advances the position).
+pub fn decode_launches(a: &CudaArch, layout: &Layout, sm_count: u32) -> Result<Vec<Launch>, PlanError> {
+    let unsupported = |what| Err(PlanError::Unsupported { arch: a.arch.to_string(), what });
+    if a.moe {
+        return unsupported("mixture-of-experts kernels");
+    }
+    if a.attn_softcap.is_some() {
+        return unsupported("attention softcap");
+    }
+    if a.final_softcap.is_some() {
+        return unsupported("final logit softcap");
+    }
+    let (q, kv) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
+    let mv = |rows| matvec_grid(rows, sm_count);
+    let block = MATVEC_WARPS * 32;
+    let mut out = vec![Launch {
+        kernel: "embed",
+        grid: ((a.hidden.div_ceil(256)) as u32, 1),
+        block: 256,
+        args: vec![Arg::Weight(Role::TokenEmbd, None), Arg::Buf(Buf::Tok), Arg::Buf(Buf::X)],
+    }];
+    for (l, spec) in a.layers.iter().enumerate() {
+        let li = Some(l as u32);
+        let w = |r| Arg::Weight(r, li);
+        out.push(Launch {
+            kernel: "norm_qkv",
+            grid: mv(q + 2 * kv),
+            block,
+            args: vec![Arg::Buf(Buf::X), w(Role::AttnNorm), w(Role::AttnQ), w(Role::AttnK), w(Role::AttnV), Arg::Buf(Buf::Qkv)],
+        });
+        let table = spec.rope.unwrap_or(RopeTable::Global);
+        let (cos, sin) = if spec.rope.is_some() { (Arg::Buf(Buf::Cos(table)), Arg::Buf(Buf::Sin(table))) } else { (Arg::Null, Arg::Null) };
+        let (qn, kn) = if a.qk_norm { (w(Role::AttnQNorm), w(Role::AttnKNorm)) } else { (Arg::Null, Arg::Null) };
+        out.push(Launch {
+            kernel: "qk_rope_kv",
+            grid: (1, 1),
+            block: 256,
+            args: vec![
+                Arg::Buf(Buf::Qkv),
+                qn,
+                kn,
+                cos,
+                sin,
+                Arg::Buf(Buf::Pos),
+                Arg::Buf(Buf::KCache(l)),
+                Arg::Buf(Buf::VCache(l)),
+                Arg::I32(spec.rope.is_some() as i32),
+            ],
+        });
+        out.push(Launch {
+            kernel: "attn_partial",
+            grid: (a.heads as u32, layout.splits as u32),
+            block: ATTN_WARPS * 32,
+            args: vec![
+                Arg::Buf(Buf::Qkv),
+                Arg::Buf(Buf::KCache(l)),
+                Arg::Buf(Buf::VCache(l)),
+                Arg::Buf(Buf::Pos),
+                Arg::I32(spec.window.map_or(0, |x| x as i32)),
+                Arg::Buf(Buf::Part),
+            ],
+        });
+        out.push(Launch {
+            kernel: "attn_combine",
+            grid: (a.heads as u32, 1),
+            block: a.head_dim as u32,
+            args: vec![Arg::Buf(Buf::Part), Arg::I32(layout.splits as i32), Arg::Buf(Buf::Att)],
+        });
+        if a.sandwich {
+            out.push(Launch { kernel: "o_proj", grid: mv(a.hidden), block, args: vec![Arg::Buf(Buf::Att), w(Role::AttnO), Arg::Buf(Buf::O)] });
+            out.push(Launch { kernel: "norm_residual", grid: (1, 1), block: 256, args: vec![Arg::Buf(Buf::O), w(Role::AttnPostNorm), Arg::Buf(Buf::X)] });
+        } else {
+            out.push(Launch { kernel: "o_residual", grid: mv(a.hidden), block, args: vec![Arg::Buf(Buf::Att), w(Role::AttnO), Arg::Buf(Buf::X)] });
+        }
+        out.push(Launch {
+            kernel: "norm_gateup",
+            grid: mv(a.ffn),
+            block,
+            args: vec![Arg::Buf(Buf::X), w(Role::FfnNorm), w(Role::FfnGate), w(Role::FfnUp), Arg::Buf(Buf::Act)],
+        });
+        if a.sandwich {
+            out.push(Launch { kernel: "down_proj", grid: mv(a.hidden), block, args: vec![Arg::Buf(Buf::Act), w(Role::FfnDown), Arg::Buf(Buf::O)] });
+            out.push(Launch { kernel: "norm_residual", grid: (1, 1), block: 256, args: vec![Arg::Buf(Buf::O), w(Role::FfnPostNorm), Arg::Buf(Buf::X)] });
+        } else {
+            out.push(Launch { kernel: "down_residual", grid: mv(a.hidden), block, args: vec![Arg::Buf(Buf::Act), w(Role::FfnDown), Arg::Buf(Buf::X)] });
+        }
+    }
+    let head = if a.tied_embeddings { Role::TokenEmbd } else { Role::LmHead };
+    out.push(Launch {
+        kernel: "norm_lm_head",
+        grid: mv(a.vocab),
+        block,
+        args: vec![Arg::Buf(Buf::X), Arg::Weight(Role::OutputNorm, None), Arg::Weight(head, None), Arg::Buf(Buf::Logits)],
+    });
+    out.push(Launch { kernel: "argmax_step", grid: (1, 1), block: 1024, args: vec![Arg::Buf(Buf::Logits), Arg::Buf(Buf::Tok), Arg::Buf(Buf::Pos)] });
+    Ok(out)
+}
+
+/// Every weight the launches read, each once, in first-use order.
+pub fn weights_used(launches: &[Launch]) -> Vec<(Role, Option<u32>)> {
+    let mut seen = std::collections::BTreeSet::new();
+    let mut out = Vec::new();
+    for l in launches {
+        for a in &l.args {
+            if let Arg::Weight(r, layer) = a {
+                if seen.insert((*r, *layer)) {
+                    out.push((*r, *layer));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Key of a compiled kernel module in the on-disk cache: blake3 of the source, the arch, the GPU
+/// target (e.g. `sm_90`) and the driver version, so any change recompiles and nothing else does.
+pub fn kernel_cache_key(source: &str, arch: &str, gpu_target: &str, driver_version: i32) -> String {
+    let mut h = blake3::Hasher::new();
+    for part in [source.as_bytes(), arch.as_bytes(), gpu_target.as_bytes(), &driver_version.to_le_bytes()] {
+        h.update(&(part.len() as u64).to_le_bytes());
+        h.update(part);
+    }
+    h.finalize().to_hex().to_string()
+}
+
+/// cos/sin tables `[ctx, head_dim/2]` for one table of the arch, as the CPU reference computes them.
+pub fn rope_tables(a: &CudaArch, t: RopeTable, ctx: usize) -> (Vec<f32>, Vec<f32>) {
+    let inv = match t {
+        RopeTable::Global => &a.inv_freq_global,
+        RopeTable::Local => &a.inv_freq_local,
+    };
+    crate::cpu::rope_tables(inv, ctx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn llama_like(layers: usize) -> CudaArch {
+        CudaArch {
+            arch: "test",
+            fingerprint: "fp",
+            vocab: 1000,
+            hidden: 64,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 32,
+            ffn: 128,
+            max_positions: 4096,
+            sandwich: false,
+            qk_norm: false,
+            tied_embeddings: true,
+            moe: false,
+            attn_softcap: None,
+            final_softcap: None,
+            inv_freq_global: crate::cpu::rope_inv_freq(32, 10000.0),
+            inv_freq_local: crate::cpu::rope_inv_freq(32, 10000.0),
+            layers: (0..layers).map(|l| LayerSpec { rope: if l % 4 == 3 { None } else { Some(RopeTable::Global) }, window: None }).collect(),
+            kernels_bf16: "",
+            kernels_f32: "",
+        }
+    }
+
+    #[test]
+    fn layout_regions_are_aligned_disjoint_and_sized() {
+        let a = llama_like(3);
+        let l = Layout::new(&a, 100).unwrap();
+        let mut regions: Vec<_> = l.regions().collect();
+        regions.sort_by_key(|r| r.1);
+        for w in regions.windows(2) {
+            assert!(w[0].1 + w[0].2 <= w[1].1, "{:?} overlaps {:?}", w[0], w[1]);
+        }
+        for (b, off, n) in &regions {
+            assert_eq!(off % ALIGN, 0, "{b:?}");
+            assert!(*n > 0, "{b:?}");
+        }
+        assert_eq!(l.get(Buf::KCache(2)).unwrap().1, 100 * 2 * 32 * 2);
+        assert_eq!(l.kv_bytes(), 3 * 2 * 100 * 64 * 2);
+        assert_eq!(l.splits, 2);
+        assert_eq!(l.get(Buf::Part).unwrap().1, 4 * 2 * 34 * 4);
+        assert!(l.get(Buf::Cos(RopeTable::Local)).is_none(), "no layer uses the local table");
+        let (last, off, n) = regions.last().copied().unwrap();
+        assert!(off + n <= l.total_bytes, "{last:?}");
+    }
+
+    #[test]
+    fn layout_rejects_bad_context() {
+        let a = llama_like(1);
+        assert_eq!(Layout::new(&a, 0).unwrap_err(), PlanError::Context { ctx: 0, max: 4096 });
+        assert!(Layout::new(&a, 4097).is_err());
+    }
+
+    #[test]
+    fn launch_list_covers_every_layer_and_weight() {
+        let a = llama_like(4);
+        let l = Layout::new(&a, 256).unwrap();
+        let launches = decode_launches(&a, &l, 132).unwrap();
+        assert_eq!(launches.len(), 1 + 4 * 7 + 2);
+        assert_eq!(launches[0].kernel, "embed");
+        assert_eq!(launches.last().unwrap().kernel, "argmax_step");
+        for la in &launches {
+            assert!(KERNELS.contains(&la.kernel), "{} is not in KERNELS", la.kernel);
+            assert!(la.block <= 1024 && la.block % 32 == 0, "{la:?}");
+            assert!(la.grid.0 >= 1 && la.grid.1 >= 1);
+            for arg in &la.args {
+                if let Arg::Buf(b) = arg {
+                    assert!(l.get(*b).is_some(), "{} uses {b:?}, which the layout lacks", la.kernel);
+                }
+            }
+        }
+        // layer 3 is a NoPE layer: no table, rope flag 0.
+        let rope: Vec<_> = launches.iter().filter(|x| x.kernel == "qk_rope_kv").collect();
+        assert_eq!(rope[3].args[3], Arg::Null);
+        assert_eq!(rope[3].args[8], Arg::I32(0));
+        assert_eq!(rope[0].args[8], Arg::I32(1));
+        let w = weights_used(&launches);
+        assert_eq!(w.len(), 1 + 4 * 9 + 1, "embedding (tied head), 9 per layer, output norm: {w:?}");
+        assert!(w.contains(&(Role::FfnDown, Some(3))));
+        assert!(!w.contains(&(Role::LmHead, None)));
+        let attn = launches.iter().find(|x| x.kernel == "attn_partial").unwrap();
+        assert_eq!(attn.grid, (4, 4));
+    }
+
+    #[test]
+    fn matvec_grid_caps_at_the_machine() {
+        assert_eq!(matvec_grid(960, 132), (120, 1));
+        assert_eq!(matvec_grid(49152, 132), (132 * MATVEC_BLOCKS_PER_SM, 1));
+        assert_eq!(matvec_grid(1, 132), (1, 1));
+    }
+
+    #[test]
+    fn sandwich_and_qk_norm_change_the_launches() {
+        let mut a = llama_like(1);
+        a.sandwich = true;
+        a.qk_norm = true;
+        a.tied_embeddings = false;
+        let l = Layout::new(&a, 64).unwrap();
+        let launches = decode_launches(&a, &l, 132).unwrap();
+        let names: Vec<_> = launches.iter().map(|x| x.kernel).collect();
+        assert_eq!(
+            names,
+            ["embed", "norm_qkv", "qk_rope_kv", "attn_partial", "attn_combine", "o_proj", "norm_residual", "norm_gateup", "down_proj", "norm_residual", "norm_lm_head", "argmax_step"]
+        );
+        let w = weights_used(&launches);
+        assert!(w.contains(&(Role::AttnQNorm, Some(0))) && w.contains(&(Role::FfnPostNorm, Some(0))) && w.contains(&(Role::LmHead, None)));
+    }
+
+    #[test]
+    fn unsupported_features_are_named() {
+        let mut a = llama_like(1);
+        a.moe = true;
+        let l = Layout::new(&a, 64).unwrap();
+        let e = decode_launches(&a, &l, 132).unwrap_err();
+        assert!(e.to_string().contains("mixture-of-experts"), "{e}");
+    }
+
+    #[test]
+    fn cache_key_changes_with_each_input_only() {
+        let k = kernel_cache_key("src", "a", "sm_90", 13000);
+        assert_eq!(k, kernel_cache_key("src", "a", "sm_90", 13000));
+        assert_eq!(k.len(), 64);
+        for other in [
+            kernel_cache_key("src2", "a", "sm_90", 13000),
+            kernel_cache_key("src", "b", "sm_90", 13000),
+            kernel_cache_key("src", "a", "sm_89", 13000),
+            kernel_cache_key("src", "a", "sm_90", 12080),
+            kernel_cache_key("sr", "ca", "sm_90", 13000),
+        ] {
+            assert_ne!(k, other);
+        }
+    }
+}

@@ -1,0 +1,404 @@
+//! The CUDA runtime: NVRTC compilation with an on-disk cubin cache, weight upload, and the decode
+//! step captured once into a CUDA graph and replayed per token.
+//!
+//! cudarc loads libcuda and NVRTC at run time, so this compiles on machines without either; at run
+//! time their absence is [`CudaError::NoDriver`] / [`CudaError::NoNvrtc`], never a panic.
+
+use std::ffi::{c_void, CString};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{result as cu, sys as cusys, CudaContext, CudaStream};
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtcsys};
+
+use super::plan::{self, Arg, Buf, CudaArch, Launch, Layout, RopeTable};
+use crate::dtype::DType;
+use crate::engine::EngineError;
+use crate::format::Archive;
+use crate::role::Role;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error("no CUDA driver (libcuda) found on this machine")]
+    NoDriver,
+    #[error("no NVRTC library (libnvrtc) found: put the CUDA toolkit's lib64 on LD_LIBRARY_PATH")]
+    NoNvrtc,
+    #[error("no CUDA device: {0}")]
+    NoDevice(String),
+    #[error("CUDA driver call failed while {what}: {err}")]
+    Driver { what: &'static str, err: String },
+    #[error("NVRTC could not compile the {arch} kernels for {target}: {log}")]
+    Compile { arch: String, target: String, log: String },
+    #[error(transparent)]
+    Plan(#[from] plan::PlanError),
+    #[error("weight {role:?} (layer {layer:?}): {msg}")]
+    Weight { role: Role, layer: Option<u32>, msg: String },
+    #[error("archive is for arch {archive} (fingerprint {archive_fp}), this engine for {engine} ({engine_fp})")]
+    Mismatch { engine: String, engine_fp: String, archive: String, archive_fp: String },
+}
+
+fn drv<T>(what: &'static str, r: Result<T, cu::DriverError>) -> Result<T, CudaError> {
+    r.map_err(|e| CudaError::Driver { what, err: format!("{e:?}") })
+}
+
+/// One device allocation, freed on drop.
+struct DeviceBuffer {
+    ptr: cusys::CUdeviceptr,
+    bytes: usize,
+}
+
+impl DeviceBuffer {
+    fn new(bytes: usize, what: &'static str) -> Result<Self, CudaError> {
+        let ptr = drv(what, unsafe { cu::malloc_sync(bytes.max(1)) })?;
+        drv(what, unsafe { cu::memset_d8_sync(ptr, 0, bytes.max(1)) })?;
+        Ok(DeviceBuffer { ptr, bytes })
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        unsafe {
+            let _ = cu::free_sync(self.ptr);
+        }
+    }
+}
+
+/// Where compiled kernels are cached: `$THIN_CACHE_DIR`, else `$XDG_CACHE_HOME/thin`, else `~/.cache/thin`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("THIN_CACHE_DIR") {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(d).join("thin");
+    }
+    std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir).join(".cache").join("thin")
+}
+
+/// How the engine came up: for the CLI's report and for benchmarks.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct LoadStats {
+    pub device: String,
+    pub gpu_target: String,
+    pub driver_version: i32,
+    pub kernel_cache_hit: bool,
+    pub compile_s: f64,
+    pub upload_s: f64,
+    pub capture_s: f64,
+    pub weight_bytes: usize,
+    pub arena_bytes: usize,
+    pub kv_bytes: usize,
+    pub launches_per_step: usize,
+}
+
+/// Compile `source` for `target` to a cubin, or read it from the cache.
+fn compiled_cubin(source: &str, arch: &str, target: &str, driver_version: i32) -> Result<(Vec<u8>, bool, f64), CudaError> {
+    let key = plan::kernel_cache_key(source, arch, target, driver_version);
+    let dir = cache_dir().join("kernels");
+    let path = dir.join(format!("{key}.cubin"));
+    if let Ok(bytes) = std::fs::read(&path) {
+        if !bytes.is_empty() {
+            return Ok((bytes, true, 0.0));
+        }
+    }
+    if !unsafe { nvrtcsys::is_culib_present() } {
+        return Err(CudaError::NoNvrtc);
+    }
+    let t = Instant::now();
+    let src = CString::new(source).map_err(|_| CudaError::Compile { arch: arch.into(), target: target.into(), log: "source holds a NUL byte".into() })?;
+    let name = CString::new(format!("{arch}.cu")).unwrap_or_default();
+    let err = |log: String| CudaError::Compile { arch: arch.into(), target: target.into(), log };
+    let prog = nvrtc::create_program(&src, Some(&name)).map_err(|e| err(format!("{e:?}")))?;
+    let opts = [format!("--gpu-architecture={target}"), "--std=c++17".to_string(), "--fmad=true".to_string()];
+    let compiled = unsafe { nvrtc::compile_program(prog, &opts) };
+    let result = match compiled {
+        Err(e) => {
+            let log = unsafe { nvrtc::get_program_log(prog) }
+                .map(|l| unsafe { std::ffi::CStr::from_ptr(l.as_ptr()) }.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            Err(err(format!("{e:?}: {log}")))
+        }
+        Ok(()) => unsafe {
+            let mut size = 0usize;
+            let r = nvrtcsys::nvrtcGetCUBINSize(prog, &mut size);
+            if r != nvrtcsys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
+                Err(err(format!("nvrtcGetCUBINSize: {r:?}")))
+            } else {
+                let mut buf = vec![0u8; size];
+                let r = nvrtcsys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut std::ffi::c_char);
+                if r != nvrtcsys::nvrtcResult::NVRTC_SUCCESS {
+                    Err(err(format!("nvrtcGetCUBIN: {r:?}")))
+                } else {
+                    Ok(buf)
+                }
+            }
+        },
+    };
+    unsafe {
+        let _ = nvrtc::destroy_program(prog);
+    }
+    let cubin = result?;
+    let secs = t.elapsed().as_secs_f64();
+    // Best effort: a cache that cannot be written only costs the next start a compile.
+    if std::fs::create_dir_all(&dir).is_ok() {
+        let tmp = dir.join(format!("{key}.cubin.tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &cubin).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    }
+    Ok((cubin, false, secs))
+}
+
+/// A kernel argument as the driver wants it: a pointer to the value.
+enum ParamValue {
+    Ptr(u64),
+    I32(i32),
+}
+
+/// The CUDA engine: every weight resident on the device, the decode step one graph.
+pub struct CudaEngine {
+    _ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    module: cusys::CUmodule,
+    graph: cusys::CUgraphExec,
+    graph_def: cusys::CUgraph,
+    _weights: DeviceBuffer,
+    arena: DeviceBuffer,
+    layout: Layout,
+    vocab: usize,
+    pos: usize,
+    /// The token id the device already holds in `Tok` (the last argmax), if known.
+    device_tok: Option<u32>,
+    pub stats: LoadStats,
+    pub arch: &'static str,
+}
+
+impl CudaEngine {
+    /// Bring `arch` up on GPU 0 with the archive's weights and a KV cache of `ctx` positions.
+    pub fn new(archive: &Archive, arch: &CudaArch, ctx: usize, progress: bool) -> Result<Self, CudaError> {
+        let m = archive.manifest();
+        if m.shape_fingerprint != arch.fingerprint {
+            let a = &m.arch;
+            return Err(CudaError::Mismatch {
+                engine: arch.arch.into(),
+                engine_fp: arch.fingerprint.into(),
+                archive: format!("{:?} ({} layers, hidden {}, vocab {})", a.family, a.num_layers, a.hidden_size, a.vocab_size),
+                archive_fp: m.shape_fingerprint.clone(),
+            });
+        }
+        if !unsafe { cusys::is_culib_present() } {
+            return Err(CudaError::NoDriver);
+        }
+        let cuda_ctx = CudaContext::new(0).map_err(|e| CudaError::NoDevice(format!("{e:?}")))?;
+        unsafe { cuda_ctx.disable_event_tracking() };
+        let stream = drv("creating a stream", cuda_ctx.new_stream())?;
+        let mut stats = LoadStats { device: cuda_ctx.name().unwrap_or_default(), ..Default::default() };
+        let (major, minor) = drv("reading the compute capability", cuda_ctx.compute_capability())?;
+        stats.gpu_target = format!("sm_{major}{minor}");
+        let mut dv = 0i32;
+        unsafe { cusys::cuDriverGetVersion(&mut dv) };
+        stats.driver_version = dv;
+        let sm_count = drv("reading the multiprocessor count", cuda_ctx.attribute(cusys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT))? as u32;
+
+        // Weights: one dtype for the whole archive picks the kernel instance.
+        let layout = Layout::new(arch, ctx)?;
+        let launches = plan::decode_launches(arch, &layout, sm_count)?;
+        let used = plan::weights_used(&launches);
+        let dtype = m.tensor(Role::TokenEmbd, None).map(|t| t.dtype).ok_or(CudaError::Weight { role: Role::TokenEmbd, layer: None, msg: "missing".into() })?;
+        let source = match dtype {
+            DType::Bf16 => arch.kernels_bf16,
+            DType::F32 => arch.kernels_f32,
+            other => return Err(CudaError::Weight { role: Role::TokenEmbd, layer: None, msg: format!("stored as {other:?}; the CUDA kernels read bf16 or f32") }),
+        };
+        let (cubin, hit, compile_s) = compiled_cubin(source, arch.arch, &stats.gpu_target, dv)?;
+        stats.kernel_cache_hit = hit;
+        stats.compile_s = compile_s;
+        drv("binding the context", cuda_ctx.bind_to_thread())?;
+        let module = drv("loading the kernel module", unsafe { cu::module::load_data(cubin.as_ptr() as *const c_void) })?;
+        let mut funcs = std::collections::BTreeMap::new();
+        for &k in plan::KERNELS {
+            let f = drv("resolving a kernel", unsafe { cu::module::get_function(module, CString::new(k).unwrap()) })?;
+            funcs.insert(k, f);
+        }
+
+        let t = Instant::now();
+        let mut offsets = std::collections::BTreeMap::new();
+        let mut total = 0usize;
+        let mut sources: Vec<(&[u8], usize)> = Vec::new();
+        for &(role, layer) in &used {
+            let e = m.tensor(role, layer).ok_or(CudaError::Weight { role, layer, msg: "missing from the archive".into() })?;
+            if e.dtype != dtype {
+                return Err(CudaError::Weight { role, layer, msg: format!("stored as {:?} while the embedding is {dtype:?}", e.dtype) });
+            }
+            let bytes = archive.tensor_bytes(e).map_err(|err| CudaError::Weight { role, layer, msg: err.to_string() })?;
+            offsets.insert((role, layer), total);
+            sources.push((bytes, total));
+            total += bytes.len().div_ceil(plan::ALIGN) * plan::ALIGN;
+        }
+        let weights = DeviceBuffer::new(total, "allocating weights")?;
+        let bar = if progress {
+            let b = indicatif::ProgressBar::new(total as u64);
+            b.set_style(
+                indicatif::ProgressStyle::with_template("uploading weights {bar:40} {bytes}/{total_bytes} {bytes_per_sec}").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            Some(b)
+        } else {
+            None
+        };
+        for (bytes, off) in sources {
+            drv("uploading weights", unsafe { cu::memcpy_htod_sync(weights.ptr + off as u64, bytes) })?;
+            if let Some(b) = &bar {
+                b.inc(bytes.len() as u64);
+            }
+        }
+        if let Some(b) = bar {
+            b.finish_and_clear();
+        }
+        stats.weight_bytes = total;
+
+        let arena = DeviceBuffer::new(layout.total_bytes, "allocating activations and KV cache")?;
+        for t in [RopeTable::Global, RopeTable::Local] {
+            if let (Some((co, _)), Some((so, _))) = (layout.get(Buf::Cos(t)), layout.get(Buf::Sin(t))) {
+                let (c, s) = plan::rope_tables(arch, t, ctx);
+                drv("uploading RoPE tables", unsafe { cu::memcpy_htod_sync(arena.ptr + co as u64, &c) })?;
+                drv("uploading RoPE tables", unsafe { cu::memcpy_htod_sync(arena.ptr + so as u64, &s) })?;
+            }
+        }
+        stats.upload_s = t.elapsed().as_secs_f64();
+        stats.arena_bytes = layout.total_bytes;
+        stats.kv_bytes = layout.kv_bytes();
+        stats.launches_per_step = launches.len();
+
+        // Capture the step once.
+        let t = Instant::now();
+        let resolve = |a: &Arg| -> Result<ParamValue, CudaError> {
+            Ok(match *a {
+                Arg::Buf(b) => ParamValue::Ptr(arena.ptr + layout.get(b).map(|x| x.0).unwrap_or(0) as u64),
+                Arg::Weight(r, l) => ParamValue::Ptr(weights.ptr + *offsets.get(&(r, l)).ok_or(CudaError::Weight { role: r, layer: l, msg: "not uploaded".into() })? as u64),
+                Arg::Null => ParamValue::Ptr(0),
+                Arg::I32(v) => ParamValue::I32(v),
+            })
+        };
+        let cs = stream.cu_stream();
+        drv("starting graph capture", unsafe { cu::stream::begin_capture(cs, cusys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) })?;
+        let mut capture_err = None;
+        for l in &launches {
+            if let Err(e) = launch(l, &funcs, &resolve, cs) {
+                capture_err = Some(e);
+                break;
+            }
+        }
+        let graph_def = drv("ending graph capture", unsafe { cu::stream::end_capture(cs) })?;
+        if let Some(e) = capture_err {
+            return Err(e);
+        }
+        let graph = drv("instantiating the graph", unsafe { cu::graph::instantiate(graph_def, cusys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH) })?;
+        stats.capture_s = t.elapsed().as_secs_f64();
+
+        Ok(CudaEngine { _ctx: cuda_ctx, stream, module, graph, graph_def, _weights: weights, arena, layout, vocab: arch.vocab, pos: 0, device_tok: None, stats, arch: arch.arch })
+    }
+
+    fn buf(&self, b: Buf) -> u64 {
+        self.arena.ptr + self.layout.get(b).map(|x| x.0).unwrap_or(0) as u64
+    }
+
+    fn engine_err(e: CudaError) -> EngineError {
+        EngineError::Backend(e.to_string())
+    }
+
+    /// One replay of the decode step with `token` at the current position.
+    fn step(&mut self, token: u32) -> Result<(), EngineError> {
+        if token as usize >= self.vocab {
+            return Err(EngineError::TokenOutOfRange { token, vocab: self.vocab });
+        }
+        if self.pos >= self.layout.ctx {
+            return Err(EngineError::ContextFull { pos: self.pos, max_seq: self.layout.ctx });
+        }
+        let cs = self.stream.cu_stream();
+        if self.device_tok != Some(token) {
+            let t = [token as i32];
+            drv("writing the token", unsafe { cu::memcpy_htod_async(self.buf(Buf::Tok), &t, cs) }).map_err(Self::engine_err)?;
+        }
+        drv("replaying the decode graph", unsafe { cu::graph::launch(self.graph, cs) }).map_err(Self::engine_err)?;
+        self.pos += 1;
+        self.device_tok = None;
+        Ok(())
+    }
+
+    fn read_logits(&self) -> Result<Vec<f32>, EngineError> {
+        let mut out = vec![0f32; self.vocab];
+        let cs = self.stream.cu_stream();
+        drv("reading logits", unsafe { cu::memcpy_dtoh_async(&mut out, self.buf(Buf::Logits), cs) }).map_err(Self::engine_err)?;
+        drv("synchronizing", unsafe { cu::stream::synchronize(cs) }).map_err(Self::engine_err)?;
+        Ok(out)
+    }
+
+    /// Greedy decode step: only the argmax id crosses to the host.
+    pub fn next_greedy(&mut self, token: u32) -> Result<u32, EngineError> {
+        self.step(token)?;
+        let mut t = [0i32];
+        let cs = self.stream.cu_stream();
+        drv("reading the token", unsafe { cu::memcpy_dtoh_async(&mut t, self.buf(Buf::Tok), cs) }).map_err(Self::engine_err)?;
+        drv("synchronizing", unsafe { cu::stream::synchronize(cs) }).map_err(Self::engine_err)?;
+        self.device_tok = Some(t[0] as u32);
+        Ok(t[0] as u32)
+    }
+
+    /// Bytes this engine holds on the device (weights + activations + KV cache).
+    pub fn device_bytes(&self) -> usize {
+        self.stats.weight_bytes + self.arena.bytes
+    }
+}
+
+fn launch(
+    l: &Launch,
+    funcs: &std::collections::BTreeMap<&'static str, cusys::CUfunction>,
+    resolve: &dyn Fn(&Arg) -> Result<ParamValue, CudaError>,
+    stream: cusys::CUstream,
+) -> Result<(), CudaError> {
+    let f = *funcs.get(l.kernel).ok_or(CudaError::Driver { what: "launching", err: format!("no kernel {}", l.kernel) })?;
+    let mut values: Vec<ParamValue> = l.args.iter().map(resolve).collect::<Result<_, _>>()?;
+    let mut params: Vec<*mut c_void> = values
+        .iter_mut()
+        .map(|v| match v {
+            ParamValue::Ptr(p) => p as *mut u64 as *mut c_void,
+            ParamValue::I32(i) => i as *mut i32 as *mut c_void,
+        })
+        .collect();
+    drv("launching a kernel", unsafe { cu::launch_kernel(f, (l.grid.0, l.grid.1, 1), (l.block, 1, 1), 0, stream, &mut params) })
+}
+
+impl crate::engine::Engine for CudaEngine {
+    fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        if tokens.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        for &t in tokens {
+            self.step(t)?;
+        }
+        self.read_logits()
+    }
+
+    fn decode_step(&mut self, token: u32) -> Result<Vec<f32>, EngineError> {
+        self.step(token)?;
+        self.read_logits()
+    }
+
+    fn reset(&mut self) {
+        let z = [0i32];
+        let _ = unsafe { cu::memcpy_htod_sync(self.buf(Buf::Pos), &z) };
+        self.pos = 0;
+        self.device_tok = None;
+    }
+}
+
+impl Drop for CudaEngine {
+    fn drop(&mut self) {
+        unsafe {
+            let _ = cu::stream::synchronize(self.stream.cu_stream());
+            let _ = cu::graph::exec_destroy(self.graph);
+            let _ = cu::graph::destroy(self.graph_def);
+            let _ = cu::module::unload(self.module);
+        }
+    }
+}
