@@ -94,6 +94,24 @@ pub enum Buf {
     Sin(RopeTable),
     KCache(usize),
     VCache(usize),
+    /// Prefill rows `[rows, hidden]` f32: the residual stream of every prompt token.
+    PX,
+    /// Prefill rows normed, in the weights' type (GEMM input) `[rows, hidden]`.
+    PXn,
+    /// Prefill q | k | v rows `[rows, qkv]` f32.
+    PQkv,
+    /// Prefill attention partials `[rows, heads, 1, head_dim + 2]` f32.
+    PPart,
+    /// Prefill attention output rows in the weights' type `[rows, heads * head_dim]`.
+    PAtt,
+    /// Prefill projection rows before a post-norm `[rows, hidden]` f32.
+    PO,
+    PGate,
+    PUp,
+    /// Prefill MLP activation rows in the weights' type `[rows, ffn]`.
+    PAct,
+    /// Prefill token ids (i32).
+    PToks,
 }
 
 /// Offsets of every buffer in one device arena.
@@ -101,6 +119,8 @@ pub enum Buf {
 pub struct Layout {
     pub ctx: usize,
     pub splits: usize,
+    /// Most prompt tokens one prefill pass takes (longer prompts go in chunks).
+    pub prefill_rows: usize,
     pub total_bytes: usize,
     regions: BTreeMap<Buf, (usize, usize)>,
 }
@@ -110,8 +130,9 @@ fn align(x: usize) -> usize {
 }
 
 impl Layout {
-    /// Lay out the activations, RoPE tables and a bf16 KV cache of `ctx` positions.
-    pub fn new(a: &CudaArch, ctx: usize) -> Result<Layout, PlanError> {
+    /// Lay out the decode activations, `prefill_rows` rows of prefill activations (GEMM inputs in
+    /// the weights' type of `wbytes` bytes), the RoPE tables and a bf16 KV cache of `ctx` positions.
+    pub fn new(a: &CudaArch, ctx: usize, prefill_rows: usize, wbytes: usize) -> Result<Layout, PlanError> {
         if ctx == 0 || ctx > a.max_positions {
             return Err(PlanError::Context { ctx, max: a.max_positions });
         }
@@ -129,6 +150,19 @@ impl Layout {
             (Buf::Tok, 4),
             (Buf::Pos, 4),
         ];
+        let r = prefill_rows.max(1);
+        sizes.extend([
+            (Buf::PX, r * a.hidden * 4),
+            (Buf::PXn, r * a.hidden * wbytes),
+            (Buf::PQkv, r * (q + 2 * kv) * 4),
+            (Buf::PPart, r * a.heads * (a.head_dim + 2) * 4),
+            (Buf::PAtt, r * q * wbytes),
+            (Buf::PO, r * a.hidden * 4),
+            (Buf::PGate, r * a.ffn * 4),
+            (Buf::PUp, r * a.ffn * 4),
+            (Buf::PAct, r * a.ffn * wbytes),
+            (Buf::PToks, r * 4),
+        ]);
         for t in [RopeTable::Global, RopeTable::Local] {
             if a.layers.iter().any(|l| l.rope == Some(t)) {
                 sizes.push((Buf::Cos(t), ctx * half * 4));
@@ -145,7 +179,7 @@ impl Layout {
             regions.insert(b, (off, n));
             off += align(n);
         }
-        Ok(Layout { ctx, splits, total_bytes: off, regions })
+        Ok(Layout { ctx, splits, prefill_rows: r, total_bytes: off, regions })
     }
 
     /// (offset, bytes) of a buffer; `None` if this arch does not use it.
@@ -177,7 +211,7 @@ pub enum Arg {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Launch {
     pub kernel: &'static str,
-    pub grid: (u32, u32),
+    pub grid: (u32, u32, u32),
     pub block: u32,
     pub args: Vec<Arg>,
 }
@@ -189,6 +223,10 @@ pub const KERNELS: &[&str] = &[
     "qk_rope_kv",
     "attn_partial",
     "attn_combine",
+    "attn_combine_rows",
+    "rows_embed",
+    "rows_norm",
+    "rows_act",
     "o_residual",
     "o_proj",
     "down_residual",
@@ -199,15 +237,12 @@ pub const KERNELS: &[&str] = &[
     "argmax_step",
 ];
 
-fn matvec_grid(rows: usize, sm_count: u32) -> (u32, u32) {
+fn matvec_grid(rows: usize, sm_count: u32) -> (u32, u32, u32) {
     let need = rows.div_ceil(MATVEC_WARPS as usize) as u32;
-    (need.min(sm_count.max(1) * MATVEC_BLOCKS_PER_SM).max(1), 1)
+    (need.min(sm_count.max(1) * MATVEC_BLOCKS_PER_SM).max(1), 1, 1)
 }
 
-/// The whole decode step, in order: embed, per layer (norm+QKV, QK-norm+RoPE+KV write, split
-/// attention, combine, O projection + residual, norm+gate/up+activation, down + residual), then
-/// final norm + LM head and argmax (which also advances the position).
-pub fn decode_launches(a: &CudaArch, layout: &Layout, sm_count: u32) -> Result<Vec<Launch>, PlanError> {
+fn check_supported(a: &CudaArch) -> Result<(), PlanError> {
     let unsupported = |what| Err(PlanError::Unsupported { arch: a.arch.to_string(), what });
     if a.moe {
         return unsupported("mixture-of-experts kernels");
@@ -218,12 +253,29 @@ pub fn decode_launches(a: &CudaArch, layout: &Layout, sm_count: u32) -> Result<V
     if a.final_softcap.is_some() {
         return unsupported("final logit softcap");
     }
+    Ok(())
+}
+
+/// The RoPE table arguments and QK-norm weights of one layer's `qk_rope_kv`, and its rope flag.
+fn rope_args(a: &CudaArch, spec: &LayerSpec, l: usize) -> [Arg; 5] {
+    let li = Some(l as u32);
+    let table = spec.rope.unwrap_or(RopeTable::Global);
+    let (cos, sin) = if spec.rope.is_some() { (Arg::Buf(Buf::Cos(table)), Arg::Buf(Buf::Sin(table))) } else { (Arg::Null, Arg::Null) };
+    let (qn, kn) = if a.qk_norm { (Arg::Weight(Role::AttnQNorm, li), Arg::Weight(Role::AttnKNorm, li)) } else { (Arg::Null, Arg::Null) };
+    [qn, kn, cos, sin, Arg::I32(spec.rope.is_some() as i32)]
+}
+
+/// The whole decode step, in order: embed, per layer (norm+QKV, QK-norm+RoPE+KV write, split
+/// attention, combine, O projection + residual, norm+gate/up+activation, down + residual), then
+/// final norm + LM head and argmax (which also advances the position).
+pub fn decode_launches(a: &CudaArch, layout: &Layout, sm_count: u32) -> Result<Vec<Launch>, PlanError> {
+    check_supported(a)?;
     let (q, kv) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
     let mv = |rows| matvec_grid(rows, sm_count);
     let block = MATVEC_WARPS * 32;
     let mut out = vec![Launch {
         kernel: "embed",
-        grid: ((a.hidden.div_ceil(256)) as u32, 1),
+        grid: ((a.hidden.div_ceil(256)) as u32, 1, 1),
         block: 256,
         args: vec![Arg::Weight(Role::TokenEmbd, None), Arg::Buf(Buf::Tok), Arg::Buf(Buf::X)],
     }];
@@ -236,28 +288,16 @@ pub fn decode_launches(a: &CudaArch, layout: &Layout, sm_count: u32) -> Result<V
             block,
             args: vec![Arg::Buf(Buf::X), w(Role::AttnNorm), w(Role::AttnQ), w(Role::AttnK), w(Role::AttnV), Arg::Buf(Buf::Qkv)],
         });
-        let table = spec.rope.unwrap_or(RopeTable::Global);
-        let (cos, sin) = if spec.rope.is_some() { (Arg::Buf(Buf::Cos(table)), Arg::Buf(Buf::Sin(table))) } else { (Arg::Null, Arg::Null) };
-        let (qn, kn) = if a.qk_norm { (w(Role::AttnQNorm), w(Role::AttnKNorm)) } else { (Arg::Null, Arg::Null) };
+        let [qn, kn, cos, sin, use_rope] = rope_args(a, spec, l);
         out.push(Launch {
             kernel: "qk_rope_kv",
-            grid: (1, 1),
+            grid: (1, 1, 1),
             block: 256,
-            args: vec![
-                Arg::Buf(Buf::Qkv),
-                qn,
-                kn,
-                cos,
-                sin,
-                Arg::Buf(Buf::Pos),
-                Arg::Buf(Buf::KCache(l)),
-                Arg::Buf(Buf::VCache(l)),
-                Arg::I32(spec.rope.is_some() as i32),
-            ],
+            args: vec![Arg::Buf(Buf::Qkv), qn, kn, cos, sin, Arg::Buf(Buf::Pos), Arg::Buf(Buf::KCache(l)), Arg::Buf(Buf::VCache(l)), use_rope],
         });
         out.push(Launch {
             kernel: "attn_partial",
-            grid: (a.heads as u32, layout.splits as u32),
+            grid: (a.heads as u32, layout.splits as u32, 1),
             block: ATTN_WARPS * 32,
             args: vec![
                 Arg::Buf(Buf::Qkv),
@@ -265,18 +305,19 @@ pub fn decode_launches(a: &CudaArch, layout: &Layout, sm_count: u32) -> Result<V
                 Arg::Buf(Buf::VCache(l)),
                 Arg::Buf(Buf::Pos),
                 Arg::I32(spec.window.map_or(0, |x| x as i32)),
+                Arg::I32(ATTN_CHUNK as i32),
                 Arg::Buf(Buf::Part),
             ],
         });
         out.push(Launch {
             kernel: "attn_combine",
-            grid: (a.heads as u32, 1),
+            grid: (a.heads as u32, 1, 1),
             block: a.head_dim as u32,
             args: vec![Arg::Buf(Buf::Part), Arg::I32(layout.splits as i32), Arg::Buf(Buf::Att)],
         });
         if a.sandwich {
             out.push(Launch { kernel: "o_proj", grid: mv(a.hidden), block, args: vec![Arg::Buf(Buf::Att), w(Role::AttnO), Arg::Buf(Buf::O)] });
-            out.push(Launch { kernel: "norm_residual", grid: (1, 1), block: 256, args: vec![Arg::Buf(Buf::O), w(Role::AttnPostNorm), Arg::Buf(Buf::X)] });
+            out.push(Launch { kernel: "norm_residual", grid: (1, 1, 1), block: 256, args: vec![Arg::Buf(Buf::O), w(Role::AttnPostNorm), Arg::Buf(Buf::X)] });
         } else {
             out.push(Launch { kernel: "o_residual", grid: mv(a.hidden), block, args: vec![Arg::Buf(Buf::Att), w(Role::AttnO), Arg::Buf(Buf::X)] });
         }
@@ -288,7 +329,7 @@ pub fn decode_launches(a: &CudaArch, layout: &Layout, sm_count: u32) -> Result<V
         });
         if a.sandwich {
             out.push(Launch { kernel: "down_proj", grid: mv(a.hidden), block, args: vec![Arg::Buf(Buf::Act), w(Role::FfnDown), Arg::Buf(Buf::O)] });
-            out.push(Launch { kernel: "norm_residual", grid: (1, 1), block: 256, args: vec![Arg::Buf(Buf::O), w(Role::FfnPostNorm), Arg::Buf(Buf::X)] });
+            out.push(Launch { kernel: "norm_residual", grid: (1, 1, 1), block: 256, args: vec![Arg::Buf(Buf::O), w(Role::FfnPostNorm), Arg::Buf(Buf::X)] });
         } else {
             out.push(Launch { kernel: "down_residual", grid: mv(a.hidden), block, args: vec![Arg::Buf(Buf::Act), w(Role::FfnDown), Arg::Buf(Buf::X)] });
         }
@@ -300,7 +341,92 @@ pub fn decode_launches(a: &CudaArch, layout: &Layout, sm_count: u32) -> Result<V
         block,
         args: vec![Arg::Buf(Buf::X), Arg::Weight(Role::OutputNorm, None), Arg::Weight(head, None), Arg::Buf(Buf::Logits)],
     });
-    out.push(Launch { kernel: "argmax_step", grid: (1, 1), block: 1024, args: vec![Arg::Buf(Buf::Logits), Arg::Buf(Buf::Tok), Arg::Buf(Buf::Pos)] });
+    out.push(Launch { kernel: "argmax_step", grid: (1, 1, 1), block: 1024, args: vec![Arg::Buf(Buf::Logits), Arg::Buf(Buf::Tok), Arg::Buf(Buf::Pos)] });
+    Ok(out)
+}
+
+/// `out[:, col..col + n] (+)= input · W^T` over `rows` rows: a cuBLAS GEMM of prefill, weights
+/// `[n, k]` in their stored type, input rows in the same type, output rows f32 with stride `ldc`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gemm {
+    pub weight: (Role, Option<u32>),
+    pub input: Buf,
+    pub out: Buf,
+    pub out_col: usize,
+    pub ldc: usize,
+    pub n: usize,
+    pub k: usize,
+    pub accumulate: bool,
+}
+
+/// One step of a prefill pass.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    Kernel(Launch),
+    Gemm(Gemm),
+}
+
+/// A prefill pass over `rows` prompt tokens already in `PToks`, at positions `*Pos ..`: every
+/// projection a GEMM over all rows, attention causal over the cache. Leaves the last row's
+/// residual in `PX`; the runtime then runs the decode step's final norm, LM head and argmax.
+pub fn prefill_steps(a: &CudaArch, layout: &Layout, rows: usize) -> Result<Vec<Step>, PlanError> {
+    check_supported(a)?;
+    if rows == 0 || rows > layout.prefill_rows {
+        return Err(PlanError::Context { ctx: rows, max: layout.prefill_rows });
+    }
+    let (q, kv, h, ffn) = (a.heads * a.head_dim, a.kv_heads * a.head_dim, a.hidden, a.ffn);
+    let r = rows as u32;
+    let k = |kernel, grid, block, args| Step::Kernel(Launch { kernel, grid, block, args });
+    let gemm = |weight, input, out, out_col, ldc, n, k, accumulate| Step::Gemm(Gemm { weight, input, out, out_col, ldc, n, k, accumulate });
+    let mut out = vec![k("rows_embed", (r, 1, 1), 256, vec![Arg::Weight(Role::TokenEmbd, None), Arg::Buf(Buf::PToks), Arg::Buf(Buf::PX)])];
+    for (l, spec) in a.layers.iter().enumerate() {
+        let li = Some(l as u32);
+        let w = |role| Arg::Weight(role, li);
+        out.push(k("rows_norm", (r, 1, 1), 256, vec![Arg::Buf(Buf::PX), w(Role::AttnNorm), Arg::Buf(Buf::PXn)]));
+        let qkv_w = q + 2 * kv;
+        out.push(gemm((Role::AttnQ, li), Buf::PXn, Buf::PQkv, 0, qkv_w, q, h, false));
+        out.push(gemm((Role::AttnK, li), Buf::PXn, Buf::PQkv, q, qkv_w, kv, h, false));
+        out.push(gemm((Role::AttnV, li), Buf::PXn, Buf::PQkv, q + kv, qkv_w, kv, h, false));
+        let [qn, kn, cos, sin, use_rope] = rope_args(a, spec, l);
+        out.push(k(
+            "qk_rope_kv",
+            (r, 1, 1),
+            256,
+            vec![Arg::Buf(Buf::PQkv), qn, kn, cos, sin, Arg::Buf(Buf::Pos), Arg::Buf(Buf::KCache(l)), Arg::Buf(Buf::VCache(l)), use_rope],
+        ));
+        out.push(k(
+            "attn_partial",
+            (a.heads as u32, 1, r),
+            ATTN_WARPS * 32,
+            vec![
+                Arg::Buf(Buf::PQkv),
+                Arg::Buf(Buf::KCache(l)),
+                Arg::Buf(Buf::VCache(l)),
+                Arg::Buf(Buf::Pos),
+                Arg::I32(spec.window.map_or(0, |x| x as i32)),
+                Arg::I32(layout.ctx as i32),
+                Arg::Buf(Buf::PPart),
+            ],
+        ));
+        out.push(k("attn_combine_rows", (a.heads as u32, r, 1), a.head_dim as u32, vec![Arg::Buf(Buf::PPart), Arg::I32(1), Arg::Buf(Buf::PAtt)]));
+        if a.sandwich {
+            out.push(gemm((Role::AttnO, li), Buf::PAtt, Buf::PO, 0, h, h, q, false));
+            out.push(k("norm_residual", (r, 1, 1), 256, vec![Arg::Buf(Buf::PO), w(Role::AttnPostNorm), Arg::Buf(Buf::PX)]));
+        } else {
+            out.push(gemm((Role::AttnO, li), Buf::PAtt, Buf::PX, 0, h, h, q, true));
+        }
+        out.push(k("rows_norm", (r, 1, 1), 256, vec![Arg::Buf(Buf::PX), w(Role::FfnNorm), Arg::Buf(Buf::PXn)]));
+        out.push(gemm((Role::FfnGate, li), Buf::PXn, Buf::PGate, 0, ffn, ffn, h, false));
+        out.push(gemm((Role::FfnUp, li), Buf::PXn, Buf::PUp, 0, ffn, ffn, h, false));
+        let n = rows * ffn;
+        out.push(k("rows_act", (n.div_ceil(256).min(65535) as u32, 1, 1), 256, vec![Arg::Buf(Buf::PGate), Arg::Buf(Buf::PUp), Arg::Buf(Buf::PAct), Arg::I32(n as i32)]));
+        if a.sandwich {
+            out.push(gemm((Role::FfnDown, li), Buf::PAct, Buf::PO, 0, h, h, ffn, false));
+            out.push(k("norm_residual", (r, 1, 1), 256, vec![Arg::Buf(Buf::PO), w(Role::FfnPostNorm), Arg::Buf(Buf::PX)]));
+        } else {
+            out.push(gemm((Role::FfnDown, li), Buf::PAct, Buf::PX, 0, h, h, ffn, true));
+        }
+    }
     Ok(out)
 }
 
@@ -372,7 +498,7 @@ mod tests {
     #[test]
     fn layout_regions_are_aligned_disjoint_and_sized() {
         let a = llama_like(3);
-        let l = Layout::new(&a, 100).unwrap();
+        let l = Layout::new(&a, 100, 32, 2).unwrap();
         let mut regions: Vec<_> = l.regions().collect();
         regions.sort_by_key(|r| r.1);
         for w in regions.windows(2) {
@@ -394,14 +520,14 @@ mod tests {
     #[test]
     fn layout_rejects_bad_context() {
         let a = llama_like(1);
-        assert_eq!(Layout::new(&a, 0).unwrap_err(), PlanError::Context { ctx: 0, max: 4096 });
-        assert!(Layout::new(&a, 4097).is_err());
+        assert_eq!(Layout::new(&a, 0, 32, 2).unwrap_err(), PlanError::Context { ctx: 0, max: 4096 });
+        assert!(Layout::new(&a, 4097, 32, 2).is_err());
     }
 
     #[test]
     fn launch_list_covers_every_layer_and_weight() {
         let a = llama_like(4);
-        let l = Layout::new(&a, 256).unwrap();
+        let l = Layout::new(&a, 256, 32, 2).unwrap();
         let launches = decode_launches(&a, &l, 132).unwrap();
         assert_eq!(launches.len(), 1 + 4 * 7 + 2);
         assert_eq!(launches[0].kernel, "embed");
@@ -426,14 +552,14 @@ mod tests {
         assert!(w.contains(&(Role::FfnDown, Some(3))));
         assert!(!w.contains(&(Role::LmHead, None)));
         let attn = launches.iter().find(|x| x.kernel == "attn_partial").unwrap();
-        assert_eq!(attn.grid, (4, 4));
+        assert_eq!(attn.grid, (4, 4, 1));
     }
 
     #[test]
     fn matvec_grid_caps_at_the_machine() {
-        assert_eq!(matvec_grid(960, 132), (120, 1));
-        assert_eq!(matvec_grid(49152, 132), (132 * MATVEC_BLOCKS_PER_SM, 1));
-        assert_eq!(matvec_grid(1, 132), (1, 1));
+        assert_eq!(matvec_grid(960, 132), (120, 1, 1));
+        assert_eq!(matvec_grid(49152, 132), (132 * MATVEC_BLOCKS_PER_SM, 1, 1));
+        assert_eq!(matvec_grid(1, 132), (1, 1, 1));
     }
 
     #[test]
@@ -442,7 +568,7 @@ mod tests {
         a.sandwich = true;
         a.qk_norm = true;
         a.tied_embeddings = false;
-        let l = Layout::new(&a, 64).unwrap();
+        let l = Layout::new(&a, 64, 32, 2).unwrap();
         let launches = decode_launches(&a, &l, 132).unwrap();
         let names: Vec<_> = launches.iter().map(|x| x.kernel).collect();
         assert_eq!(
@@ -457,9 +583,42 @@ mod tests {
     fn unsupported_features_are_named() {
         let mut a = llama_like(1);
         a.moe = true;
-        let l = Layout::new(&a, 64).unwrap();
+        let l = Layout::new(&a, 64, 32, 2).unwrap();
         let e = decode_launches(&a, &l, 132).unwrap_err();
         assert!(e.to_string().contains("mixture-of-experts"), "{e}");
+    }
+
+    #[test]
+    fn prefill_is_gemms_around_row_kernels() {
+        let a = llama_like(2);
+        let l = Layout::new(&a, 256, 32, 2).unwrap();
+        let steps = prefill_steps(&a, &l, 20).unwrap();
+        let gemms: Vec<&Gemm> = steps.iter().filter_map(|s| if let Step::Gemm(g) = s { Some(g) } else { None }).collect();
+        assert_eq!(gemms.len(), 2 * 7, "q, k, v, o, gate, up, down per layer");
+        let qkv = 4 * 32 + 2 * 2 * 32;
+        assert_eq!((gemms[1].out_col, gemms[1].ldc, gemms[1].n, gemms[1].k), (128, qkv, 32 * 2, 64), "k lands after q in the qkv rows");
+        assert!(gemms.iter().filter(|g| g.accumulate).all(|g| g.out == Buf::PX), "only the residual GEMMs accumulate");
+        assert_eq!(gemms.iter().filter(|g| g.accumulate).count(), 4);
+        for s in &steps {
+            match s {
+                Step::Kernel(k) => {
+                    assert!(KERNELS.contains(&k.kernel), "{}", k.kernel);
+                    for arg in &k.args {
+                        if let Arg::Buf(b) = arg {
+                            assert!(l.get(*b).is_some(), "{b:?}");
+                        }
+                    }
+                }
+                Step::Gemm(g) => {
+                    let (_, bytes) = l.get(g.out).unwrap();
+                    assert!((20 - 1) * g.ldc + g.out_col + g.n <= bytes / 4, "{g:?} writes past its buffer");
+                }
+            }
+        }
+        let attn = steps.iter().find_map(|s| if let Step::Kernel(k) = s { (k.kernel == "attn_partial").then_some(k) } else { None }).unwrap();
+        assert_eq!(attn.grid, (4, 1, 20), "a block per head and prompt row, one split");
+        assert!(prefill_steps(&a, &l, 33).is_err(), "more rows than the layout holds");
+        assert!(prefill_steps(&a, &l, 0).is_err());
     }
 
     #[test]

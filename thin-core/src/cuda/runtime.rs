@@ -10,9 +10,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::{result as cu, sys as cusys, CudaContext, CudaStream};
+use cudarc::cublas::{result as blas, sys as blassys};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtcsys};
 
-use super::plan::{self, Arg, Buf, CudaArch, Launch, Layout, RopeTable};
+use super::plan::{self, Arg, Buf, CudaArch, Gemm, Launch, Layout, RopeTable, Step};
 use crate::dtype::DType;
 use crate::engine::EngineError;
 use crate::format::Archive;
@@ -155,14 +156,24 @@ enum ParamValue {
     I32(i32),
 }
 
-/// The CUDA engine: every weight resident on the device, the decode step one graph.
+/// Prompt tokens one batched prefill pass takes; longer prompts go in chunks of this many.
+pub const PREFILL_ROWS: usize = 512;
+
+/// The CUDA engine: every weight resident on the device, the decode step one graph, prefill
+/// batched (cuBLAS GEMMs over all prompt rows, causal attention over the cache).
 pub struct CudaEngine {
     _ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     module: cusys::CUmodule,
     graph: cusys::CUgraphExec,
     graph_def: cusys::CUgraph,
-    _weights: DeviceBuffer,
+    weights: DeviceBuffer,
+    offsets: std::collections::BTreeMap<(Role, Option<u32>), usize>,
+    funcs: std::collections::BTreeMap<&'static str, cusys::CUfunction>,
+    launches: Vec<Launch>,
+    spec: CudaArch,
+    blas: Option<blassys::cublasHandle_t>,
+    wtype: blassys::cudaDataType,
     arena: DeviceBuffer,
     layout: Layout,
     vocab: usize,
@@ -201,10 +212,18 @@ impl CudaEngine {
         let sm_count = drv("reading the multiprocessor count", cuda_ctx.attribute(cusys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT))? as u32;
 
         // Weights: one dtype for the whole archive picks the kernel instance.
-        let layout = Layout::new(arch, ctx)?;
-        let launches = plan::decode_launches(arch, &layout, sm_count)?;
-        let used = plan::weights_used(&launches);
         let dtype = m.tensor(Role::TokenEmbd, None).map(|t| t.dtype).ok_or(CudaError::Weight { role: Role::TokenEmbd, layer: None, msg: "missing".into() })?;
+        let wbytes = if dtype == DType::Bf16 { 2 } else { 4 };
+        let layout = Layout::new(arch, ctx, PREFILL_ROWS.min(ctx), wbytes)?;
+        let launches = plan::decode_launches(arch, &layout, sm_count)?;
+        let mut used = plan::weights_used(&launches);
+        for step in plan::prefill_steps(arch, &layout, 1)? {
+            if let Step::Gemm(g) = step {
+                if !used.contains(&g.weight) {
+                    used.push(g.weight);
+                }
+            }
+        }
         let source = match dtype {
             DType::Bf16 => arch.kernels_bf16,
             DType::F32 => arch.kernels_f32,
@@ -269,33 +288,162 @@ impl CudaEngine {
         stats.kv_bytes = layout.kv_bytes();
         stats.launches_per_step = launches.len();
 
-        // Capture the step once.
-        let t = Instant::now();
-        let resolve = |a: &Arg| -> Result<ParamValue, CudaError> {
-            Ok(match *a {
-                Arg::Buf(b) => ParamValue::Ptr(arena.ptr + layout.get(b).map(|x| x.0).unwrap_or(0) as u64),
-                Arg::Weight(r, l) => ParamValue::Ptr(weights.ptr + *offsets.get(&(r, l)).ok_or(CudaError::Weight { role: r, layer: l, msg: "not uploaded".into() })? as u64),
-                Arg::Null => ParamValue::Ptr(0),
-                Arg::I32(v) => ParamValue::I32(v),
-            })
+        let blas = if unsafe { blassys::is_culib_present() } {
+            let h = blas::create_handle().map_err(|e| CudaError::Driver { what: "creating the cuBLAS handle", err: format!("{e:?}") })?;
+            unsafe { blas::set_stream(h, stream.cu_stream() as blassys::cudaStream_t) }.map_err(|e| CudaError::Driver { what: "binding cuBLAS to the stream", err: format!("{e:?}") })?;
+            Some(h)
+        } else {
+            None
         };
-        let cs = stream.cu_stream();
+        let wtype = if dtype == DType::Bf16 { blassys::cudaDataType::CUDA_R_16BF } else { blassys::cudaDataType::CUDA_R_32F };
+        let mut e = CudaEngine {
+            _ctx: cuda_ctx,
+            stream,
+            module,
+            graph: std::ptr::null_mut(),
+            graph_def: std::ptr::null_mut(),
+            weights,
+            offsets,
+            funcs,
+            launches,
+            spec: arch.clone(),
+            blas,
+            wtype,
+            arena,
+            layout,
+            vocab: arch.vocab,
+            pos: 0,
+            device_tok: None,
+            stats,
+            arch: arch.arch,
+        };
+        e.capture()?;
+        Ok(e)
+    }
+
+    /// Capture the decode step once into a graph.
+    fn capture(&mut self) -> Result<(), CudaError> {
+        let t = Instant::now();
+        let cs = self.stream.cu_stream();
         drv("starting graph capture", unsafe { cu::stream::begin_capture(cs, cusys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) })?;
         let mut capture_err = None;
-        for l in &launches {
-            if let Err(e) = launch(l, &funcs, &resolve, cs) {
+        for l in &self.launches {
+            if let Err(e) = self.launch(l) {
                 capture_err = Some(e);
                 break;
             }
         }
         let graph_def = drv("ending graph capture", unsafe { cu::stream::end_capture(cs) })?;
+        self.graph_def = graph_def;
         if let Some(e) = capture_err {
             return Err(e);
         }
-        let graph = drv("instantiating the graph", unsafe { cu::graph::instantiate(graph_def, cusys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH) })?;
-        stats.capture_s = t.elapsed().as_secs_f64();
+        self.graph = drv("instantiating the graph", unsafe { cu::graph::instantiate(graph_def, cusys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH) })?;
+        self.stats.capture_s = t.elapsed().as_secs_f64();
+        Ok(())
+    }
 
-        Ok(CudaEngine { _ctx: cuda_ctx, stream, module, graph, graph_def, _weights: weights, arena, layout, vocab: arch.vocab, pos: 0, device_tok: None, stats, arch: arch.arch })
+    fn resolve(&self, a: &Arg) -> Result<ParamValue, CudaError> {
+        Ok(match *a {
+            Arg::Buf(b) => ParamValue::Ptr(self.buf(b)),
+            Arg::Weight(r, l) => ParamValue::Ptr(self.weight(r, l)?),
+            Arg::Null => ParamValue::Ptr(0),
+            Arg::I32(v) => ParamValue::I32(v),
+        })
+    }
+
+    fn weight(&self, r: Role, l: Option<u32>) -> Result<u64, CudaError> {
+        let off = self.offsets.get(&(r, l)).ok_or(CudaError::Weight { role: r, layer: l, msg: "not uploaded".into() })?;
+        Ok(self.weights.ptr + *off as u64)
+    }
+
+    fn launch(&self, l: &Launch) -> Result<(), CudaError> {
+        let f = *self.funcs.get(l.kernel).ok_or(CudaError::Driver { what: "launching", err: format!("no kernel {}", l.kernel) })?;
+        let mut values: Vec<ParamValue> = l.args.iter().map(|a| self.resolve(a)).collect::<Result<_, _>>()?;
+        let mut params: Vec<*mut c_void> = values
+            .iter_mut()
+            .map(|v| match v {
+                ParamValue::Ptr(p) => p as *mut u64 as *mut c_void,
+                ParamValue::I32(i) => i as *mut i32 as *mut c_void,
+            })
+            .collect();
+        drv("launching a kernel", unsafe { cu::launch_kernel(f, l.grid, (l.block, 1, 1), 0, self.stream.cu_stream(), &mut params) })
+    }
+
+    /// One prefill GEMM: `out[:, col..col+n] (+)= input · W^T` (row-major), as cuBLAS's
+    /// column-major `C[n, rows] = op(W)^T · X`.
+    fn gemm(&self, handle: blassys::cublasHandle_t, g: &Gemm, rows: usize) -> Result<(), CudaError> {
+        let w = self.weight(g.weight.0, g.weight.1)?;
+        let x = self.buf(g.input);
+        let c = self.buf(g.out) + (g.out_col * 4) as u64;
+        let (alpha, beta) = (1.0f32, if g.accumulate { 1.0f32 } else { 0.0f32 });
+        unsafe {
+            blas::gemm_ex(
+                handle,
+                blassys::cublasOperation_t::CUBLAS_OP_T,
+                blassys::cublasOperation_t::CUBLAS_OP_N,
+                g.n as i32,
+                rows as i32,
+                g.k as i32,
+                &alpha as *const f32 as *const c_void,
+                w as *const c_void,
+                self.wtype,
+                g.k as i32,
+                x as *const c_void,
+                self.wtype,
+                g.k as i32,
+                &beta as *const f32 as *const c_void,
+                c as *mut c_void,
+                blassys::cudaDataType::CUDA_R_32F,
+                g.ldc as i32,
+                blassys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blassys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+            )
+        }
+        .map_err(|e| CudaError::Driver { what: "running a prefill GEMM", err: format!("{e:?}") })
+    }
+
+    fn set_pos(&self, pos: usize) -> Result<(), EngineError> {
+        let p = [pos as i32];
+        drv("writing the position", unsafe { cu::memcpy_htod_async(self.buf(Buf::Pos), &p, self.stream.cu_stream()) }).map_err(Self::engine_err)
+    }
+
+    /// Batched prefill: chunks of up to `prefill_rows` tokens, each one pass of GEMMs; then the
+    /// decode step's final norm, LM head and argmax on the last row.
+    fn prefill_batched(&mut self, handle: blassys::cublasHandle_t, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        if self.pos + tokens.len() > self.layout.ctx {
+            return Err(EngineError::ContextFull { pos: self.pos + tokens.len(), max_seq: self.layout.ctx });
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.vocab) {
+            return Err(EngineError::TokenOutOfRange { token: t, vocab: self.vocab });
+        }
+        let cs = self.stream.cu_stream();
+        let mut last_rows = 0;
+        for chunk in tokens.chunks(self.layout.prefill_rows) {
+            let ids: Vec<i32> = chunk.iter().map(|&t| t as i32).collect();
+            drv("writing prompt ids", unsafe { cu::memcpy_htod_async(self.buf(Buf::PToks), &ids, cs) }).map_err(Self::engine_err)?;
+            let steps = plan::prefill_steps(&self.spec, &self.layout, chunk.len()).map_err(|e| EngineError::Backend(e.to_string()))?;
+            for step in &steps {
+                match step {
+                    Step::Kernel(l) => self.launch(l),
+                    Step::Gemm(g) => self.gemm(handle, g, chunk.len()),
+                }
+                .map_err(Self::engine_err)?;
+            }
+            self.pos += chunk.len();
+            self.set_pos(self.pos)?;
+            last_rows = chunk.len();
+        }
+        // The last prompt row becomes the decode step's residual; its epilogue runs at pos - 1.
+        let row = (last_rows - 1) * self.spec.hidden * 4;
+        drv("copying the last row", unsafe { cu::memcpy_dtod_async(self.buf(Buf::X), self.buf(Buf::PX) + row as u64, self.spec.hidden * 4, cs) }).map_err(Self::engine_err)?;
+        self.set_pos(self.pos - 1)?;
+        let n = self.launches.len();
+        for l in &self.launches[n - 2..] {
+            self.launch(l).map_err(Self::engine_err)?;
+        }
+        self.device_tok = None;
+        self.read_logits()
     }
 
     fn buf(&self, b: Buf) -> u64 {
@@ -350,33 +498,21 @@ impl CudaEngine {
     }
 }
 
-fn launch(
-    l: &Launch,
-    funcs: &std::collections::BTreeMap<&'static str, cusys::CUfunction>,
-    resolve: &dyn Fn(&Arg) -> Result<ParamValue, CudaError>,
-    stream: cusys::CUstream,
-) -> Result<(), CudaError> {
-    let f = *funcs.get(l.kernel).ok_or(CudaError::Driver { what: "launching", err: format!("no kernel {}", l.kernel) })?;
-    let mut values: Vec<ParamValue> = l.args.iter().map(resolve).collect::<Result<_, _>>()?;
-    let mut params: Vec<*mut c_void> = values
-        .iter_mut()
-        .map(|v| match v {
-            ParamValue::Ptr(p) => p as *mut u64 as *mut c_void,
-            ParamValue::I32(i) => i as *mut i32 as *mut c_void,
-        })
-        .collect();
-    drv("launching a kernel", unsafe { cu::launch_kernel(f, (l.grid.0, l.grid.1, 1), (l.block, 1, 1), 0, stream, &mut params) })
-}
-
 impl crate::engine::Engine for CudaEngine {
     fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
         if tokens.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
-        for &t in tokens {
-            self.step(t)?;
+        match self.blas {
+            Some(h) => self.prefill_batched(h, tokens),
+            None => {
+                // No cuBLAS on this machine: the decode graph, token by token.
+                for &t in tokens {
+                    self.step(t)?;
+                }
+                self.read_logits()
+            }
         }
-        self.read_logits()
     }
 
     fn decode_step(&mut self, token: u32) -> Result<Vec<f32>, EngineError> {
@@ -399,6 +535,9 @@ impl Drop for CudaEngine {
             let _ = cu::graph::exec_destroy(self.graph);
             let _ = cu::graph::destroy(self.graph_def);
             let _ = cu::module::unload(self.module);
+            if let Some(h) = self.blas {
+                let _ = blas::destroy_handle(h);
+            }
         }
     }
 }
