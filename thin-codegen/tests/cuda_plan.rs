@@ -82,5 +82,5 @@ fn gemma3_plan_has_windows_local_rope_and_sandwich_norms() {
 fn olmoe_is_refused_by_name() {
     let a = thin_generated::olmoe_tiny::cuda::arch();
     let layout = Layout::new(&a, 64, 32, 2).unwrap();
-    assert!(matches!(decode_launches(&a, &layout, 132), Err(PlanError::Unsupported { .. })));
+    assert!(matches!(decode_launches(&a, &layout, 132, thin_core::cuda::plan::Fusion::Fused), Err(PlanError::Unsupported { .. })));
 }

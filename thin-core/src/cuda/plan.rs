@@ -235,6 +235,9 @@ pub const KERNELS: &[&str] = &[
     "norm_gateup",
     "norm_lm_head",
     "argmax_step",
+    "attn_decode",
+    "combine_o_residual",
+    "combine_o_proj",
 ];
 
 fn matvec_grid(rows: usize, sm_count: u32) -> (u32, u32, u32) {
@@ -265,10 +268,20 @@ fn rope_args(a: &CudaArch, spec: &LayerSpec, l: usize) -> [Arg; 5] {
     [qn, kn, cos, sin, Arg::I32(spec.rope.is_some() as i32)]
 }
 
-/// The whole decode step, in order: embed, per layer (norm+QKV, QK-norm+RoPE+KV write, split
-/// attention, combine, O projection + residual, norm+gate/up+activation, down + residual), then
-/// final norm + LM head and argmax (which also advances the position).
-pub fn decode_launches(a: &CudaArch, layout: &Layout, sm_count: u32) -> Result<Vec<Launch>, PlanError> {
+/// How many kernels a decode step is cut into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fusion {
+    /// Five kernels a layer: norm+QKV; QK-norm+RoPE+KV write+split attention; attention combine
+    /// + O projection + residual; norm+gate/up+activation; down + residual.
+    Fused,
+    /// Seven: QK-norm/RoPE/KV write and the attention combine as kernels of their own (the
+    /// pieces prefill also uses); kept to measure what the fusion buys and to bisect.
+    Unfused,
+}
+
+/// The whole decode step, in order: embed, per layer (see [`Fusion`]), then final norm + LM head
+/// and argmax (which also advances the position).
+pub fn decode_launches(a: &CudaArch, layout: &Layout, sm_count: u32, fusion: Fusion) -> Result<Vec<Launch>, PlanError> {
     check_supported(a)?;
     let (q, kv) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
     let mv = |rows| matvec_grid(rows, sm_count);
@@ -289,6 +302,36 @@ pub fn decode_launches(a: &CudaArch, layout: &Layout, sm_count: u32) -> Result<V
             args: vec![Arg::Buf(Buf::X), w(Role::AttnNorm), w(Role::AttnQ), w(Role::AttnK), w(Role::AttnV), Arg::Buf(Buf::Qkv)],
         });
         let [qn, kn, cos, sin, use_rope] = rope_args(a, spec, l);
+        let window = Arg::I32(spec.window.map_or(0, |x| x as i32));
+        if fusion == Fusion::Fused {
+            out.push(Launch {
+                kernel: "attn_decode",
+                grid: (a.heads as u32, layout.splits as u32, 1),
+                block: ATTN_WARPS * 32,
+                args: vec![
+                    Arg::Buf(Buf::Qkv),
+                    qn,
+                    kn,
+                    cos,
+                    sin,
+                    Arg::Buf(Buf::Pos),
+                    Arg::Buf(Buf::KCache(l)),
+                    Arg::Buf(Buf::VCache(l)),
+                    use_rope,
+                    window,
+                    Arg::Buf(Buf::Part),
+                ],
+            });
+            let parts = [Arg::Buf(Buf::Part), Arg::I32(layout.splits as i32), Arg::Buf(Buf::Pos), w(Role::AttnO)];
+            if a.sandwich {
+                out.push(Launch { kernel: "combine_o_proj", grid: mv(a.hidden), block, args: [&parts[..], &[Arg::Buf(Buf::O)]].concat() });
+                out.push(Launch { kernel: "norm_residual", grid: (1, 1, 1), block: 256, args: vec![Arg::Buf(Buf::O), w(Role::AttnPostNorm), Arg::Buf(Buf::X)] });
+            } else {
+                out.push(Launch { kernel: "combine_o_residual", grid: mv(a.hidden), block, args: [&parts[..], &[Arg::Buf(Buf::X)]].concat() });
+            }
+            mlp_launches(a, l, sm_count, &mut out);
+            continue;
+        }
         out.push(Launch {
             kernel: "qk_rope_kv",
             grid: (1, 1, 1),
@@ -304,7 +347,7 @@ pub fn decode_launches(a: &CudaArch, layout: &Layout, sm_count: u32) -> Result<V
                 Arg::Buf(Buf::KCache(l)),
                 Arg::Buf(Buf::VCache(l)),
                 Arg::Buf(Buf::Pos),
-                Arg::I32(spec.window.map_or(0, |x| x as i32)),
+                window,
                 Arg::I32(ATTN_CHUNK as i32),
                 Arg::Buf(Buf::Part),
             ],
@@ -321,18 +364,7 @@ pub fn decode_launches(a: &CudaArch, layout: &Layout, sm_count: u32) -> Result<V
         } else {
             out.push(Launch { kernel: "o_residual", grid: mv(a.hidden), block, args: vec![Arg::Buf(Buf::Att), w(Role::AttnO), Arg::Buf(Buf::X)] });
         }
-        out.push(Launch {
-            kernel: "norm_gateup",
-            grid: mv(a.ffn),
-            block,
-            args: vec![Arg::Buf(Buf::X), w(Role::FfnNorm), w(Role::FfnGate), w(Role::FfnUp), Arg::Buf(Buf::Act)],
-        });
-        if a.sandwich {
-            out.push(Launch { kernel: "down_proj", grid: mv(a.hidden), block, args: vec![Arg::Buf(Buf::Act), w(Role::FfnDown), Arg::Buf(Buf::O)] });
-            out.push(Launch { kernel: "norm_residual", grid: (1, 1, 1), block: 256, args: vec![Arg::Buf(Buf::O), w(Role::FfnPostNorm), Arg::Buf(Buf::X)] });
-        } else {
-            out.push(Launch { kernel: "down_residual", grid: mv(a.hidden), block, args: vec![Arg::Buf(Buf::Act), w(Role::FfnDown), Arg::Buf(Buf::X)] });
-        }
+        mlp_launches(a, l, sm_count, &mut out);
     }
     let head = if a.tied_embeddings { Role::TokenEmbd } else { Role::LmHead };
     out.push(Launch {
@@ -428,6 +460,25 @@ pub fn prefill_steps(a: &CudaArch, layout: &Layout, rows: usize) -> Result<Vec<S
         }
     }
     Ok(out)
+}
+
+/// norm + gate/up + activation, then down + residual (through the post-norm on sandwich archs).
+fn mlp_launches(a: &CudaArch, l: usize, sm_count: u32, out: &mut Vec<Launch>) {
+    let w = |r| Arg::Weight(r, Some(l as u32));
+    let block = MATVEC_WARPS * 32;
+    out.push(Launch {
+        kernel: "norm_gateup",
+        grid: matvec_grid(a.ffn, sm_count),
+        block,
+        args: vec![Arg::Buf(Buf::X), w(Role::FfnNorm), w(Role::FfnGate), w(Role::FfnUp), Arg::Buf(Buf::Act)],
+    });
+    let grid = matvec_grid(a.hidden, sm_count);
+    if a.sandwich {
+        out.push(Launch { kernel: "down_proj", grid, block, args: vec![Arg::Buf(Buf::Act), w(Role::FfnDown), Arg::Buf(Buf::O)] });
+        out.push(Launch { kernel: "norm_residual", grid: (1, 1, 1), block: 256, args: vec![Arg::Buf(Buf::O), w(Role::FfnPostNorm), Arg::Buf(Buf::X)] });
+    } else {
+        out.push(Launch { kernel: "down_residual", grid, block, args: vec![Arg::Buf(Buf::Act), w(Role::FfnDown), Arg::Buf(Buf::X)] });
+    }
 }
 
 /// Every weight the launches read, each once, in first-use order.
@@ -528,7 +579,7 @@ mod tests {
     fn launch_list_covers_every_layer_and_weight() {
         let a = llama_like(4);
         let l = Layout::new(&a, 256, 32, 2).unwrap();
-        let launches = decode_launches(&a, &l, 132).unwrap();
+        let launches = decode_launches(&a, &l, 132, Fusion::Unfused).unwrap();
         assert_eq!(launches.len(), 1 + 4 * 7 + 2);
         assert_eq!(launches[0].kernel, "embed");
         assert_eq!(launches.last().unwrap().kernel, "argmax_step");
@@ -556,6 +607,29 @@ mod tests {
     }
 
     #[test]
+    fn fused_step_has_five_kernels_a_layer_and_the_same_weights() {
+        for sandwich in [false, true] {
+            let mut a = llama_like(4);
+            a.sandwich = sandwich;
+            a.qk_norm = sandwich;
+            let l = Layout::new(&a, 256, 32, 2).unwrap();
+            let fused = decode_launches(&a, &l, 132, Fusion::Fused).unwrap();
+            let unfused = decode_launches(&a, &l, 132, Fusion::Unfused).unwrap();
+            assert_eq!(fused.len(), 1 + 4 * if sandwich { 7 } else { 5 } + 2);
+            assert_eq!(unfused.len(), fused.len() + 4 * 2);
+            let mut wf = weights_used(&fused);
+            let mut wu = weights_used(&unfused);
+            wf.sort();
+            wu.sort();
+            assert_eq!(wf, wu, "fusion changes kernels, never which weights are read");
+            for k in &fused {
+                assert!(KERNELS.contains(&k.kernel), "{}", k.kernel);
+                assert!(!matches!(k.kernel, "qk_rope_kv" | "attn_partial" | "attn_combine"), "{} left unfused", k.kernel);
+            }
+        }
+    }
+
+    #[test]
     fn matvec_grid_caps_at_the_machine() {
         assert_eq!(matvec_grid(960, 132), (120, 1, 1));
         assert_eq!(matvec_grid(49152, 132), (132 * MATVEC_BLOCKS_PER_SM, 1, 1));
@@ -569,7 +643,7 @@ mod tests {
         a.qk_norm = true;
         a.tied_embeddings = false;
         let l = Layout::new(&a, 64, 32, 2).unwrap();
-        let launches = decode_launches(&a, &l, 132).unwrap();
+        let launches = decode_launches(&a, &l, 132, Fusion::Unfused).unwrap();
         let names: Vec<_> = launches.iter().map(|x| x.kernel).collect();
         assert_eq!(
             names,
@@ -584,7 +658,7 @@ mod tests {
         let mut a = llama_like(1);
         a.moe = true;
         let l = Layout::new(&a, 64, 32, 2).unwrap();
-        let e = decode_launches(&a, &l, 132).unwrap_err();
+        let e = decode_launches(&a, &l, 132, Fusion::Unfused).unwrap_err();
         assert!(e.to_string().contains("mixture-of-experts"), "{e}");
     }
 

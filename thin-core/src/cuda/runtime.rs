@@ -90,6 +90,7 @@ pub struct LoadStats {
     pub arena_bytes: usize,
     pub kv_bytes: usize,
     pub launches_per_step: usize,
+    pub fused: bool,
 }
 
 /// Compile `source` for `target` to a cubin, or read it from the cache.
@@ -215,7 +216,10 @@ impl CudaEngine {
         let dtype = m.tensor(Role::TokenEmbd, None).map(|t| t.dtype).ok_or(CudaError::Weight { role: Role::TokenEmbd, layer: None, msg: "missing".into() })?;
         let wbytes = if dtype == DType::Bf16 { 2 } else { 4 };
         let layout = Layout::new(arch, ctx, PREFILL_ROWS.min(ctx), wbytes)?;
-        let launches = plan::decode_launches(arch, &layout, sm_count)?;
+        // THIN_UNFUSED=1 runs the seven-kernel layer instead (A/B timing, bisecting).
+        let fusion = if std::env::var_os("THIN_UNFUSED").is_some_and(|v| v == "1") { plan::Fusion::Unfused } else { plan::Fusion::Fused };
+        stats.fused = fusion == plan::Fusion::Fused;
+        let launches = plan::decode_launches(arch, &layout, sm_count, fusion)?;
         let mut used = plan::weights_used(&launches);
         for step in plan::prefill_steps(arch, &layout, 1)? {
             if let Step::Gemm(g) = step {

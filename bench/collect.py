@@ -1,0 +1,52 @@
+"""Turn one device run's outputs (bench/h200.sh's $OUT) into rows of bench/results/h200.jsonl.
+
+    python3 bench/collect.py OUT_DIR COMMIT [RESULTS_FILE]
+One row per (model, engine): run_id, commit, date, gpu, model, profile, engine, decode_tok_s,
+prefill_tok_s (pp512), peak_gib, min_cosine, top1_match, top5_set (fidelity: the worst of the
+prompt lengths measured; HF rows are the reference and carry none).
+"""
+import datetime, json, os, sys
+
+
+def lines(path):
+    if not os.path.exists(path):
+        return []
+    return [json.loads(l) for l in open(path) if l.strip().startswith("{")]
+
+
+def main(out, commit, results="bench/results/h200.jsonl"):
+    gpu = open(os.path.join(out, "gpu.txt")).read().split(",")[0].strip() if os.path.exists(os.path.join(out, "gpu.txt")) else "?"
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    run_id = f"{date}-{commit[:8]}"
+    fid = {}
+    for r in lines(os.path.join(out, "fidelity.jsonl")):
+        fid.setdefault(r["model"], []).append(r)
+    rows = []
+    for r in lines(os.path.join(out, "thin.jsonl")):
+        if "error" in r:
+            continue
+        f = fid.get(r["model"], [])
+        rows.append(dict(run_id=run_id, commit=commit, date=date, gpu=gpu, model=r["model"], profile=r["profile"], engine="thin",
+                         decode_tok_s=r["decode_tok_s"], prefill_tok_s=r["prefill_tok_s"], peak_gib=r["peak_gib"],
+                         min_cosine=min((x["min_cosine"] for x in f), default=None),
+                         top1_match=min((x["top1_match"] for x in f), default=None),
+                         top5_set=min((x["top5_set"] for x in f), default=None),
+                         tg128=r["tg"]["mean"], tg128_sd=r["tg"]["sd"], pp512_sd=r["pp"]["sd"],
+                         cold_start_s=r.get("cold_start_to_first_token_s")))
+    for mode in ("compiled", "eager"):
+        for r in lines(os.path.join(out, f"peer_{mode}.jsonl")):
+            if "model" not in r or "tok_s" not in r:
+                continue
+            rows.append(dict(run_id=run_id, commit=commit, date=date, gpu=gpu, model=r["model"], profile="bf16", engine=f"hf-{mode}",
+                             decode_tok_s=r["tok_s"], prefill_tok_s=None, peak_gib=r["peak_gib"],
+                             min_cosine=None, top1_match=None, top5_set=None))
+    os.makedirs(os.path.dirname(results), exist_ok=True)
+    with open(results, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    for row in rows:
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
