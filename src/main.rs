@@ -1,6 +1,7 @@
-//! `thin`: convert checkpoints into `.thin` archives, inspect and verify them (and, later, run them).
+//! `thin`: convert checkpoints into `.thin` archives, inspect, verify and run them.
 
 mod inspect;
+mod run;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -58,11 +59,12 @@ enum Command {
     },
     /// Check every page checksum of an archive.
     Verify { file: PathBuf },
-    // `thin run` joins here.
+    /// Generate text from an archive with the engine compiled in for its architecture.
+    Run(run::RunArgs),
 }
 
 fn main() -> ExitCode {
-    match run(Cli::parse()) {
+    match dispatch(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -71,8 +73,9 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(cli: Cli) -> anyhow::Result<()> {
+fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Command::Run(args) => run::run(args),
         Command::Convert { src, out, profile, quiet } => {
             let opts = ConvertOptions { profile: profile.into(), progress: !quiet };
             let r = convert(&src, &out, &opts)
