@@ -247,7 +247,8 @@ pub fn matvec(w: WeightView<'_>, x: &[f32], out: &mut [f32]) {
 }
 
 /// `out[t, o] = sum_i w[o, i] * x[t, i]` for `t` rows of `x` (`[t, in]` row-major). Each output
-/// equals what [`matvec`] gives for that row of `x`, bit for bit.
+/// equals what [`matvec`] gives for that row of `x`, bit for bit. Rayon splits the weight rows, and
+/// each task runs all rows of `x` over its rows while they are in cache: weights are read once.
 pub fn matmul(w: WeightView<'_>, x: &[f32], n_in: usize, out: &mut [f32]) {
     assert!(n_in > 0, "matmul with n_in = 0");
     assert_eq!(x.len() % n_in, 0);
@@ -255,7 +256,29 @@ pub fn matmul(w: WeightView<'_>, x: &[f32], n_in: usize, out: &mut [f32]) {
     assert_eq!(w.len() % n_in, 0);
     let n_out = w.len() / n_in;
     assert_eq!(out.len(), t * n_out);
-    out.par_chunks_mut(n_out).zip(x.par_chunks(n_in)).for_each(|(y, xr)| rows_of(w, xr, 0, y));
+    if t <= 1 {
+        return matvec(w, x, out);
+    }
+    let chunk = rows_per_task(n_out, n_in);
+    // Per task: its rows' outputs for every row of x, `[t, rows]`; scattered into `out` after.
+    let blocks: Vec<(usize, Vec<f32>)> = (0..n_out.div_ceil(chunk))
+        .into_par_iter()
+        .map(|c| {
+            let r0 = c * chunk;
+            let rows = chunk.min(n_out - r0);
+            let mut y = vec![0.0; t * rows];
+            for (xr, yr) in x.chunks_exact(n_in).zip(y.chunks_exact_mut(rows)) {
+                rows_of(w, xr, r0, yr);
+            }
+            (r0, y)
+        })
+        .collect();
+    for (r0, y) in blocks {
+        let rows = y.len() / t;
+        for (yr, or) in y.chunks_exact(rows).zip(out.chunks_exact_mut(n_out)) {
+            or[r0..r0 + rows].copy_from_slice(yr);
+        }
+    }
 }
 
 /// HF default inverse frequencies `1 / theta^(2i/d)` for `i < d/2`.
