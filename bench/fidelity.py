@@ -19,6 +19,8 @@ def main():
     ap.add_argument("hf_dir"); ap.add_argument("thin"); ap.add_argument("archive"); ap.add_argument("name")
     ap.add_argument("--gguf"); ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--prompt-lens", default="1,128")
+    ap.add_argument("--cpu-check", type=int, default=0,
+                    help="also run thin's CPU reference engine over prompt + this many ids and compare the GPU to it")
     a = ap.parse_args()
     kw = dict(gguf_file=a.gguf) if a.gguf else {}
     model = transformers.AutoModelForCausalLM.from_pretrained(a.hf_dir, dtype=torch.bfloat16, attn_implementation="eager", **kw).cuda().eval()
@@ -40,6 +42,17 @@ def main():
             json.dump(full[0].tolist(), open(idf, "w"))
             subprocess.run([a.thin, "logits", a.archive, "--ids", idf, "--prompt-len", str(plen), "-o", lf], check=True)
             ours = np.fromfile(lf, dtype="<f4").reshape(-1, ref.shape[1])[:, :vocab]
+            if a.cpu_check:
+                n = plen + a.cpu_check
+                json.dump(full[0, :n].tolist(), open(idf, "w"))
+                cf = os.path.join(td, "cpu.bin")
+                subprocess.run([a.thin, "logits", a.archive, "--cpu", "--ids", idf, "--prompt-len", str(plen), "-o", cf], check=True)
+                cpu = np.fromfile(cf, dtype="<f4").reshape(-1, ref.shape[1]).astype(np.float64)
+                gpu = ours[: cpu.shape[0]].astype(np.float64)
+                cc = (cpu * gpu).sum(1) / (np.linalg.norm(cpu, axis=1) * np.linalg.norm(gpu, axis=1))
+                print(json.dumps(dict(model=a.name, check="gpu_vs_cpu_reference", prompt_len=plen, rows=int(cpu.shape[0]),
+                                      max_abs_diff=float(np.abs(cpu - gpu).max()), logit_absmax=float(np.abs(cpu).max()),
+                                      min_cosine=round(float(cc.min()), 7), top1_match=float((cpu.argmax(1) == gpu.argmax(1)).mean()))), flush=True)
         assert ours.shape == ref.shape, (ours.shape, ref.shape)
         r, o = ref[1:].astype(np.float64), ours[1:].astype(np.float64)  # the decode rows
         cos = (r * o).sum(1) / (np.linalg.norm(r, axis=1) * np.linalg.norm(o, axis=1))

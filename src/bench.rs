@@ -182,15 +182,16 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
 }
 
 /// Teacher-forced logits: prefill `ids[..prompt_len]`, then feed each following id; writes one
-/// little-endian f32 row of `vocab` logits per position from `prompt_len - 1` to the end.
-pub fn logits(file: &Path, ids_file: &Path, prompt_len: usize, out: &PathBuf, ctx: usize) -> anyhow::Result<()> {
-    let archive = Archive::open(file).with_context(|| format!("opening {}", file.display()))?;
+/// little-endian f32 row of `vocab` logits per position from `prompt_len - 1` to the end, from
+/// the CUDA engine or (`cpu`) the CPU reference engine.
+pub fn logits(file: &Path, ids_file: &Path, prompt_len: usize, out: &PathBuf, ctx: usize, cpu: bool) -> anyhow::Result<()> {
+    let archive = std::sync::Arc::new(Archive::open(file).with_context(|| format!("opening {}", file.display()))?);
     let ids: Vec<u32> = serde_json::from_str(&std::fs::read_to_string(ids_file).with_context(|| format!("reading {}", ids_file.display()))?)
         .with_context(|| format!("{}: expected a JSON array of token ids", ids_file.display()))?;
     if prompt_len == 0 || prompt_len > ids.len() {
         bail!("--prompt-len {prompt_len} must be between 1 and the {} ids given", ids.len());
     }
-    let mut e = open_cuda(&archive, ctx, false)?;
+    let mut e: Box<dyn Engine> = if cpu { thin_generated::open_cpu(archive.clone())? } else { Box::new(open_cuda(&archive, ctx, false)?) };
     let tmp = out.with_extension("partial");
     let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?);
     let mut put = |row: &[f32]| -> anyhow::Result<()> {

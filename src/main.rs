@@ -1,7 +1,8 @@
-//! `thin`: convert checkpoints into `.thin` archives, inspect and verify them (and, later, run them).
+//! `thin`: convert checkpoints into `.thin` archives, inspect, verify and run them.
 
 mod bench;
 mod inspect;
+mod run;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -93,11 +94,16 @@ enum Command {
         out: PathBuf,
         #[arg(long, default_value_t = 4096)]
         ctx: usize,
+        /// The CPU reference engine instead of the GPU (the oracle the GPU is checked against).
+        #[arg(long)]
+        cpu: bool,
     },
+    /// Generate text from an archive with the engine compiled in for its architecture.
+    Run(run::RunArgs),
 }
 
 fn main() -> ExitCode {
-    match run(Cli::parse()) {
+    match dispatch(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -106,8 +112,9 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(cli: Cli) -> anyhow::Result<()> {
+fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Command::Run(args) => run::run(args),
         Command::Convert { src, out, profile, quiet } => {
             let opts = ConvertOptions { profile: profile.into(), progress: !quiet };
             let r = convert(&src, &out, &opts)
@@ -136,7 +143,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench { file, ctx, warmup, steps, pp, tg, reps, json } => {
             bench::bench(&file, &bench::BenchOptions { ctx, warmup, steps, pp, tg, reps, json })
         }
-        Command::Logits { file, ids, prompt_len, out, ctx } => bench::logits(&file, &ids, prompt_len, &out, ctx),
+        Command::Logits { file, ids, prompt_len, out, ctx, cpu } => bench::logits(&file, &ids, prompt_len, &out, ctx, cpu),
         Command::Verify { file } => {
             let start = Instant::now();
             let a = Archive::open(&file).with_context(|| format!("opening {}", file.display()))?;

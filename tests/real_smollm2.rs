@@ -77,3 +77,33 @@ fn archive_values_equal_gguf_py_dequantization() {
         }
     }
 }
+
+/// `thin run --chat` on the real bf16 archive (the README's main command): the answer streams as
+/// JSON lines and generation ends at the model's EOS.
+#[test]
+fn thin_run_chat_answers_and_stops_at_eos() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let out = tmp.path().join("smollm2-bf16.thin");
+    let thin = |args: &[&str]| Command::new(env!("CARGO_BIN_EXE_thin")).args(args).output().expect("run thin");
+    let o = thin(&["convert", gguf_path().to_str().expect("utf8"), "-o", out.to_str().expect("utf8"), "--quiet"]);
+    assert!(o.status.success(), "convert failed: {}", String::from_utf8_lossy(&o.stderr));
+    let o = thin(&[
+        "run",
+        out.to_str().expect("utf8"),
+        "--chat",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-tokens",
+        "64",
+        "--format",
+        "jsonl",
+    ]);
+    assert!(o.status.success(), "thin run failed: {}", String::from_utf8_lossy(&o.stderr));
+    let lines: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&o.stdout).lines().map(|l| serde_json::from_str(l).expect("JSON line")).collect();
+    let stats = lines.last().expect("stats");
+    assert_eq!(stats["stop"], "eos", "{stats}");
+    assert_eq!(stats["arch"], "smollm2-135m");
+    let text: String = lines[1..lines.len() - 1].iter().map(|l| l["text"].as_str().expect("text")).collect();
+    assert!(text.contains("Paris"), "{text:?}");
+}

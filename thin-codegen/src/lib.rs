@@ -325,17 +325,14 @@ fn emit_op(op: &Op, layer: Option<u64>, eps: f32) -> TokenStream {
             let d = lit_u(*dim);
             let i = format_ident!("{}", input);
             let o = format_ident!("{}", out);
+            // The norm weight is read where it is stored (no copy per layer per token).
             if input == out {
                 quote! {
-                    let g = w.expect(#r, #lay, #d)?.to_f32_vec();
                     s.tmp.copy_from_slice(&s.#i);
-                    thin_core::cpu::rms_norm(&s.tmp, &g, #eps, &mut s.#o);
+                    thin_core::cpu::rms_norm_view(&s.tmp, w.expect(#r, #lay, #d)?, #eps, &mut s.#o);
                 }
             } else {
-                quote! {
-                    let g = w.expect(#r, #lay, #d)?.to_f32_vec();
-                    thin_core::cpu::rms_norm(&s.#i, &g, #eps, &mut s.#o);
-                }
+                quote! { thin_core::cpu::rms_norm_view(&s.#i, w.expect(#r, #lay, #d)?, #eps, &mut s.#o); }
             }
         }
         Op::Matvec { weight, input, out, out_dim, in_dim } => {
@@ -349,10 +346,7 @@ fn emit_op(op: &Op, layer: Option<u64>, eps: f32) -> TokenStream {
             let r = role_tokens(weight);
             let d = lit_u(*dim);
             let b = format_ident!("{}", buf);
-            quote! {
-                let g = w.expect(#r, #lay, #d)?.to_f32_vec();
-                thin_core::cpu::rms_norm_chunks(&mut s.#b, &g, #eps);
-            }
+            quote! { thin_core::cpu::rms_norm_chunks_view(&mut s.#b, w.expect(#r, #lay, #d)?, #eps); }
         }
         Op::Rope { buf, table, .. } => {
             let b = format_ident!("{}", buf);
@@ -419,6 +413,123 @@ fn emit_op(op: &Op, layer: Option<u64>, eps: f32) -> TokenStream {
     }
 }
 
+/// Width of one row of a state buffer, as the consts name it.
+fn row_dim(buf: &str) -> TokenStream {
+    match buf {
+        "q" | "att" => quote!(consts::Q_DIM),
+        "k" | "v" => quote!(consts::KV_DIM),
+        "gate" | "up" => quote!(consts::FFN),
+        _ => quote!(consts::HIDDEN),
+    }
+}
+
+/// One op over all `n` prompt rows at once (prefill): weights are read once per layer, not once per
+/// token. Row `t` is at position `pos + t`; every row gets exactly the arithmetic of [`emit_op`], so
+/// prefill and token-by-token decode give the same bits.
+fn emit_op_batch(op: &Op, layer: Option<u64>, eps: f32) -> TokenStream {
+    let lay = match layer { Some(l) => { let l = l as u32; quote!(Some(#l)) } None => quote!(None) };
+    match op {
+        Op::Embed { out, hidden, scale } => {
+            let out = format_ident!("{}", out);
+            let hdn = lit_u(*hidden);
+            let sc = *scale as f32;
+            quote! {
+                let table = w.expect(thin_core::role::Role::TokenEmbd, None, consts::VOCAB * consts::HIDDEN)?;
+                for (t, &token) in tokens.iter().enumerate() {
+                    thin_core::cpu::embedding(table, token as usize, #hdn, #sc, &mut b.#out[t * consts::HIDDEN..(t + 1) * consts::HIDDEN]);
+                }
+            }
+        }
+        Op::RmsNorm { weight, input, out, dim } => {
+            let r = role_tokens(weight);
+            let d = lit_u(*dim);
+            let i = format_ident!("{}", input);
+            let o = format_ident!("{}", out);
+            let src = if input == out { quote!(b.tmp) } else { quote!(b.#i) };
+            let copy = if input == out { quote!(b.tmp.copy_from_slice(&b.#i);) } else { quote!() };
+            quote! {
+                let g = w.expect(#r, #lay, #d)?;
+                #copy
+                for (xr, yr) in #src.chunks_exact(#d).zip(b.#o.chunks_exact_mut(#d)) {
+                    thin_core::cpu::rms_norm_view(xr, g, #eps, yr);
+                }
+            }
+        }
+        Op::Matvec { weight, input, out, out_dim, in_dim } => {
+            let r = role_tokens(weight);
+            let n = lit_u(out_dim * in_dim);
+            let k = lit_u(*in_dim);
+            let i = format_ident!("{}", input);
+            let o = format_ident!("{}", out);
+            quote! { thin_core::cpu::matmul(w.expect(#r, #lay, #n)?, &b.#i, #k, &mut b.#o); }
+        }
+        Op::QkNorm { weight, buf, dim, .. } => {
+            let r = role_tokens(weight);
+            let d = lit_u(*dim);
+            let bf = format_ident!("{}", buf);
+            quote! { thin_core::cpu::rms_norm_chunks_view(&mut b.#bf, w.expect(#r, #lay, #d)?, #eps); }
+        }
+        Op::Rope { buf, table, .. } => {
+            let bf = format_ident!("{}", buf);
+            let dim = row_dim(buf);
+            let (c, sn) = (format_ident!("cos_{}", table), format_ident!("sin_{}", table));
+            quote! {
+                let half = consts::HEAD_DIM / 2;
+                for (t, row) in b.#bf.chunks_exact_mut(#dim).enumerate() {
+                    let p = pos + t;
+                    thin_core::cpu::rope(row, consts::HEAD_DIM, &s.#c[p * half..(p + 1) * half], &s.#sn[p * half..(p + 1) * half]);
+                }
+            }
+        }
+        Op::KvWrite { layer } => {
+            let l = lit_u(*layer);
+            quote! {
+                for (t, (kr, vr)) in b.k.chunks_exact(consts::KV_DIM).zip(b.v.chunks_exact(consts::KV_DIM)).enumerate() {
+                    thin_core::cpu::kv_write(kr, vr, pos + t, &mut s.k_cache[#l], &mut s.v_cache[#l]);
+                }
+            }
+        }
+        Op::Attention { layer, window, scale } => {
+            let l = lit_u(*layer);
+            let win = match window { Some(x) => { let x = *x as usize; quote!(Some(#x)) } None => quote!(None) };
+            let sc = *scale as f32;
+            quote! {
+                let p = thin_core::cpu::AttnParams { num_heads: consts::NUM_HEADS, num_kv_heads: consts::NUM_KV_HEADS, head_dim: consts::HEAD_DIM, scale: #sc, window: #win, softcap: consts::ATTN_SOFTCAP };
+                for (t, (qr, ar)) in b.q.chunks_exact(consts::Q_DIM).zip(b.att.chunks_exact_mut(consts::Q_DIM)).enumerate() {
+                    thin_core::cpu::attention(qr, &s.k_cache[#l], &s.v_cache[#l], pos + t, p, ar);
+                }
+            }
+        }
+        Op::ResidualAdd { into, from } => {
+            let a = format_ident!("{}", into);
+            let f = format_ident!("{}", from);
+            quote! { thin_core::cpu::residual_add(&mut b.#a, &b.#f); }
+        }
+        Op::Mlp { kind, .. } => {
+            let act = match kind { MlpKind::Swiglu => quote!(swiglu), MlpKind::GegluTanh => quote!(geglu) };
+            quote! {
+                let n = consts::FFN * consts::HIDDEN;
+                thin_core::cpu::matmul(w.expect(thin_core::role::Role::FfnGate, #lay, n)?, &b.xn, consts::HIDDEN, &mut b.gate);
+                thin_core::cpu::matmul(w.expect(thin_core::role::Role::FfnUp, #lay, n)?, &b.xn, consts::HIDDEN, &mut b.up);
+                thin_core::cpu::#act(&mut b.gate, &b.up);
+                thin_core::cpu::matmul(w.expect(thin_core::role::Role::FfnDown, #lay, n)?, &b.gate, consts::FFN, &mut b.down);
+            }
+        }
+        Op::Moe { .. } => {
+            // Each row routes to its own experts: the single-token MoE, row by row.
+            let one = emit_op(op, layer, eps);
+            quote! {
+                for t in 0..tokens.len() {
+                    s.xn.copy_from_slice(&b.xn[t * consts::HIDDEN..(t + 1) * consts::HIDDEN]);
+                    #one
+                    b.down[t * consts::HIDDEN..(t + 1) * consts::HIDDEN].copy_from_slice(&s.down);
+                }
+            }
+        }
+        Op::LmHead { .. } | Op::Softcap { .. } => unreachable!("the epilogue runs on the last row only"),
+    }
+}
+
 /// The Rust module for one description.
 pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
     let a = &d.attention;
@@ -445,6 +556,8 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
     let epilogue: Vec<_> = plan.epilogue.iter().map(|o| emit_op(o, None, eps)).collect();
     let mut layer_fns = Vec::new();
     let mut layer_calls = Vec::new();
+    let mut batch_calls = Vec::new();
+    let prologue_b: Vec<_> = plan.prologue.iter().map(|o| emit_op_batch(o, None, eps)).collect();
     for lp in &plan.layers {
         let f = format_ident!("layer_{}", lp.layer);
         let body: Vec<_> = lp.ops.iter().map(|o| emit_op(o, Some(lp.layer), eps)).collect();
@@ -455,6 +568,15 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
             fn #f(w: &W, s: &mut State, pos: usize) -> Result<(), EngineError> { #(#body)* Ok(()) }
         });
         layer_calls.push(quote! { Self::#f(w, s, pos)?; });
+        let fb = format_ident!("layer_{}_prefill", lp.layer);
+        let body_b: Vec<_> = lp.ops.iter().map(|o| emit_op_batch(o, Some(lp.layer), eps)).collect();
+        let doc_b = format!(" Layer {} over all prompt rows.", lp.layer);
+        layer_fns.push(quote! {
+            #[doc = #doc_b]
+            #[allow(unused_variables)]
+            fn #fb(w: &W, s: &mut State, b: &mut Batch, tokens: &[u32], pos: usize) -> Result<(), EngineError> { #(#body_b)* Ok(()) }
+        });
+        batch_calls.push(quote! { Self::#fb(w, s, &mut b, tokens, pos)?; });
     }
     let modoc = format!(" Engine for `{name}`, generated from its architecture description.");
     quote! {
@@ -494,6 +616,23 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
 
         pub struct Engine<W: Weights> { w: W, s: State, pos: usize }
 
+        /// Prefill's buffers: one row per prompt token of each per-token buffer, allocated per prompt.
+        struct Batch {
+            x: Vec<f32>, xn: Vec<f32>, tmp: Vec<f32>, q: Vec<f32>, k: Vec<f32>, v: Vec<f32>, att: Vec<f32>, o: Vec<f32>,
+            gate: Vec<f32>, up: Vec<f32>, down: Vec<f32>,
+        }
+
+        impl Batch {
+            fn new(rows: usize) -> Self {
+                Batch {
+                    x: vec![0.0; rows * consts::HIDDEN], xn: vec![0.0; rows * consts::HIDDEN], tmp: vec![0.0; rows * consts::HIDDEN],
+                    q: vec![0.0; rows * consts::Q_DIM], k: vec![0.0; rows * consts::KV_DIM], v: vec![0.0; rows * consts::KV_DIM],
+                    att: vec![0.0; rows * consts::Q_DIM], o: vec![0.0; rows * consts::HIDDEN],
+                    gate: vec![0.0; rows * consts::FFN], up: vec![0.0; rows * consts::FFN], down: vec![0.0; rows * consts::HIDDEN],
+                }
+            }
+        }
+
         impl<W: Weights> Engine<W> {
             pub fn new(w: W) -> Self {
                 let (cos_global, sin_global) = thin_core::cpu::rope_tables(&#inv_g, consts::MAX_SEQ);
@@ -504,8 +643,9 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
                     att: vec![0.0; consts::Q_DIM], o: vec![0.0; consts::HIDDEN],
                     gate: vec![0.0; consts::FFN], up: vec![0.0; consts::FFN], down: vec![0.0; consts::HIDDEN],
                     router: vec![0.0; consts::NUM_EXPERTS], logits: vec![0.0; consts::VOCAB],
-                    k_cache: vec![vec![0.0; consts::MAX_SEQ * consts::KV_DIM]; consts::NUM_LAYERS],
-                    v_cache: vec![vec![0.0; consts::MAX_SEQ * consts::KV_DIM]; consts::NUM_LAYERS],
+                    // One zeroed allocation per layer (not clones of one): pages are touched as positions fill.
+                    k_cache: (0..consts::NUM_LAYERS).map(|_| vec![0.0; consts::MAX_SEQ * consts::KV_DIM]).collect(),
+                    v_cache: (0..consts::NUM_LAYERS).map(|_| vec![0.0; consts::MAX_SEQ * consts::KV_DIM]).collect(),
                     cos_global, sin_global, cos_local, sin_local,
                 };
                 Engine { w, s, pos: 0 }
@@ -529,12 +669,34 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
                 self.pos += 1;
                 Ok(())
             }
+
+            /// Every prompt token through each layer at once (weights read once per layer); the
+            /// epilogue (LM head) runs on the last row only.
+            fn forward_prompt(&mut self, tokens: &[u32]) -> Result<(), EngineError> {
+                if let Some(&token) = tokens.iter().find(|&&t| t as usize >= consts::VOCAB) {
+                    return Err(EngineError::TokenOutOfRange { token, vocab: consts::VOCAB });
+                }
+                if self.pos + tokens.len() > consts::MAX_SEQ {
+                    return Err(EngineError::ContextFull { pos: consts::MAX_SEQ, max_seq: consts::MAX_SEQ });
+                }
+                let pos = self.pos;
+                let w = &self.w;
+                let s = &mut self.s;
+                let mut b = Batch::new(tokens.len());
+                #(#prologue_b)*
+                #(#batch_calls)*
+                let last = tokens.len() - 1;
+                s.x.copy_from_slice(&b.x[last * consts::HIDDEN..(last + 1) * consts::HIDDEN]);
+                #(#epilogue)*
+                self.pos += tokens.len();
+                Ok(())
+            }
         }
 
         impl<W: Weights> thin_core::engine::Engine for Engine<W> {
             fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
                 if tokens.is_empty() { return Err(EngineError::EmptyPrompt); }
-                for &t in tokens { self.forward(t)?; }
+                self.forward_prompt(tokens)?;
                 Ok(self.s.logits.clone())
             }
             fn decode_step(&mut self, token: u32) -> Result<Vec<f32>, EngineError> {
@@ -738,13 +900,17 @@ pub fn generate_all(root: &Path) -> Result<BTreeMap<PathBuf, String>, CodegenErr
         let text = std::fs::read_to_string(root.join(&rel)).map_err(|e| CodegenError::Io { path: rels.clone(), msg: e.to_string() })?;
         let stem = rel.file_stem().unwrap_or_default().to_string_lossy().to_string();
         match generate_one_with_kernels(&rels, &text) {
-            Ok((_, _, src, kernels)) => {
+            Ok((name, plan, src, kernels)) => {
                 let dir = PathBuf::from("generated").join(module_name(&stem));
                 files.insert(dir.join("mod.rs"), src);
                 for (k, v) in kernels {
                     files.insert(dir.join("kernels").join(k), v);
                 }
-                feats.push(stem);
+                if name != stem {
+                    errors.push(format!("{rels}: model.name {name:?} differs from the file stem {stem:?} (the feature name)"));
+                }
+                let family = parse(&rels, &text)?.model.family;
+                feats.push((stem, family, plan.fingerprint));
             }
             Err(e) => errors.push(e.to_string()),
         }
@@ -752,23 +918,62 @@ pub fn generate_all(root: &Path) -> Result<BTreeMap<PathBuf, String>, CodegenErr
     if !errors.is_empty() {
         return Err(CodegenError::Invalid { file: "archs/".into(), errors });
     }
-    let mut lib = String::from("// @generated by thin-codegen from archs/*.toml\n//! Engines generated by thin-codegen, one module per architecture behind its feature.\n\n");
-    for f in &feats {
+    files.insert(PathBuf::from("generated/lib.rs"), emit_lib(&feats));
+    Ok(files)
+}
+
+/// generated/lib.rs: the modules behind their features, the table of every known description, the
+/// compiled-in CPU engines and `open_cpu`, which picks the one whose shape fingerprint fits.
+/// `feats` is (feature = description name, family, shape fingerprint) per description.
+fn emit_lib(feats: &[(String, Family, String)]) -> String {
+    let mut lib = String::from(
+        "// @generated by thin-codegen from archs/*.toml\n\
+         //! Engines generated by thin-codegen, one module per architecture behind its feature, and the\n\
+         //! dispatcher that picks the compiled-in engine fitting an archive.\n\n\
+         use std::sync::Arc;\n\n\
+         use thin_core::arch::Family;\n\
+         use thin_core::engine::{CompiledEngine, Engine, KnownArch, OpenError};\n\
+         use thin_core::format::Archive;\n\n",
+    );
+    for (f, _, _) in feats {
         lib += &format!("#[cfg(feature = \"{f}\")]\n#[path = \"{m}/mod.rs\"]\npub mod {m};\n", m = module_name(f));
     }
     lib += "\n/// Every architecture feature this crate knows.\npub const AVAILABLE_FEATURES: &[&str] = &[\n";
-    for f in &feats {
+    for (f, _, _) in feats {
         lib += &format!("    \"{f}\",\n");
     }
     lib += "];\n";
+    lib += "\n/// Every description in archs/, compiled in or not: names an archive's shapes in errors.\n\
+            pub const KNOWN_ARCHS: &[KnownArch] = &[\n";
+    for (f, family, fp) in feats {
+        lib += &format!("    KnownArch {{ name: \"{f}\", family: Family::{family:?}, fingerprint: \"{fp}\" }},\n");
+    }
+    lib += "];\n";
+    lib += "\n/// The CPU engines compiled into this build, one per enabled architecture feature.\n\
+            pub const CPU_ENGINES: &[CompiledEngine<Arc<Archive>>] = &[\n";
+    for (f, family, _) in feats {
+        let m = module_name(f);
+        lib += &format!(
+            "    #[cfg(feature = \"{f}\")]\n    CompiledEngine {{\n        arch: {m}::ARCH,\n        family: Family::{family:?},\n        \
+             fingerprint: {m}::SHAPE_FINGERPRINT,\n        open: |a| Box::new({m}::Engine::new(a)),\n    }},\n"
+        );
+    }
+    lib += "];\n";
+    lib += "\n/// The CPU engine for `archive`: the compiled-in engine whose shape fingerprint equals the\n\
+            /// archive's. The engine holds the archive (its weights are views into the mmap).\n\
+            pub fn open_cpu(archive: Arc<Archive>) -> Result<Box<dyn Engine + Send>, OpenError> {\n    \
+            let e = thin_core::engine::select_engine(archive.manifest(), KNOWN_ARCHS, CPU_ENGINES)?;\n    \
+            Ok((e.open)(archive))\n}\n";
+    lib += "\n/// The description whose shapes have this fingerprint, if codegen knows one.\n\
+            pub fn arch_name(fingerprint: &str) -> Option<&'static str> {\n    \
+            KNOWN_ARCHS.iter().find(|k| k.fingerprint == fingerprint).map(|k| k.name)\n}\n";
     lib += "\n/// The CUDA view of the compiled-in engine whose shape fingerprint the archive has (`None`: not built into this binary).\n";
     lib += "#[allow(unused_variables)]\npub fn cuda_arch(shape_fingerprint: &str) -> Option<thin_core::cuda::plan::CudaArch> {\n";
-    for f in &feats {
+    for (f, _, _) in feats {
         lib += &format!("    #[cfg(feature = \"{f}\")]\n    if shape_fingerprint == {m}::SHAPE_FINGERPRINT {{\n        return Some({m}::cuda::arch());\n    }}\n", m = module_name(f));
     }
     lib += "    None\n}\n";
-    files.insert(PathBuf::from("generated/lib.rs"), lib);
-    Ok(files)
+    lib
 }
 
 pub fn write_files(root: &Path, files: &BTreeMap<PathBuf, String>) -> std::io::Result<()> {

@@ -10,7 +10,9 @@ use thin_core::format::Archive;
 use thin_core::quant::Profile;
 use thin_core::sampler::argmax;
 
-const TOL: f32 = 1e-3;
+/// The issue allows 1e-3; measured here: at most 1.32e-5 (smollm3-tiny, decode step 10) with the
+/// 16-lane matvec sums, so 5e-5 holds with room and still catches any real error.
+const TOL: f32 = 5e-5;
 
 struct Reference {
     prompt_ids: Vec<u32>,

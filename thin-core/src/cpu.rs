@@ -16,52 +16,269 @@ pub fn embedding(table: WeightView<'_>, token: usize, hidden: usize, scale: f32,
 
 /// `out = x / rms(x) * w` with `rms = sqrt(mean(x^2) + eps)`.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    rms_norm_view(x, WeightView::F32(w), eps, out)
+}
+
+/// 1 / rms(x), as [`rms_norm`] uses it.
+fn inv_rms(x: &[f32], eps: f32) -> f32 {
+    let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    1.0 / (ms + eps).sqrt()
+}
+
+/// [`rms_norm`] reading the weight where it is stored (f32 or bf16): no copy per call.
+pub fn rms_norm_view(x: &[f32], w: WeightView<'_>, eps: f32, out: &mut [f32]) {
     assert_eq!(x.len(), w.len());
     assert_eq!(x.len(), out.len());
-    let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
-    let inv = 1.0 / (ms + eps).sqrt();
-    for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
-        *o = v * inv * g;
+    let inv = inv_rms(x, eps);
+    match w {
+        WeightView::F32(w) => out.iter_mut().zip(x).zip(w).for_each(|((o, &v), &g)| *o = v * inv * g),
+        WeightView::Bf16(w) => out.iter_mut().zip(x).zip(w).for_each(|((o, &v), &g)| *o = v * inv * g.widen()),
     }
 }
 
 /// In-place RMS norm over each `dim`-sized chunk (QK-norm per head).
 pub fn rms_norm_chunks(x: &mut [f32], w: &[f32], eps: f32) {
+    rms_norm_chunks_view(x, WeightView::F32(w), eps)
+}
+
+/// [`rms_norm_chunks`] reading the weight where it is stored.
+pub fn rms_norm_chunks_view(x: &mut [f32], w: WeightView<'_>, eps: f32) {
     let dim = w.len();
-    assert_eq!(x.len() % dim, 0);
-    let mut tmp = vec![0.0; dim];
+    assert!(dim > 0 && x.len() % dim == 0);
     for chunk in x.chunks_mut(dim) {
-        rms_norm(chunk, w, eps, &mut tmp);
-        chunk.copy_from_slice(&tmp);
+        let inv = inv_rms(chunk, eps);
+        match w {
+            WeightView::F32(w) => chunk.iter_mut().zip(w).for_each(|(v, &g)| *v = *v * inv * g),
+            WeightView::Bf16(w) => chunk.iter_mut().zip(w).for_each(|(v, &g)| *v = *v * inv * g.widen()),
+        }
     }
 }
 
-fn dot_row(w: WeightView<'_>, row: usize, x: &[f32]) -> f32 {
+/// A weight element the matvec kernels read: f32 or bf16, widened to f32 in registers.
+trait Elem: Copy + Send + Sync {
+    fn widen(self) -> f32;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+impl Elem for half::bf16 {
+    /// bf16 is the top half of an f32: a shift, which LLVM vectorizes (`bf16::to_f32` does not).
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+}
+
+/// Accumulator lanes of every dot product. Fixed, so every SIMD path and the portable one sum in
+/// the same order and give the same bits: element `i` of each 16-element block adds into lane `i`,
+/// lanes are reduced pairwise (8 + 8, 4 + 4, ...), then the tail is added.
+const LANES: usize = 16;
+
+/// The lane sums over the whole 16-element blocks of `w . x` (portable).
+#[inline(always)]
+fn lanes_portable<E: Elem>(w: &[E], x: &[f32]) -> [f32; LANES] {
+    let mut acc = [0.0f32; LANES];
+    for (a, b) in w.chunks_exact(LANES).zip(x.chunks_exact(LANES)) {
+        for i in 0..LANES {
+            acc[i] += a[i].widen() * b[i];
+        }
+    }
+    acc
+}
+
+/// Reduces the lanes and adds the elements past the last whole block.
+#[inline(always)]
+fn finish<E: Elem>(mut acc: [f32; LANES], w: &[E], x: &[f32]) -> f32 {
+    let body = x.len() / LANES * LANES;
+    let mut tail = 0.0f32;
+    for (a, b) in w[body..].iter().zip(&x[body..]) {
+        tail += a.widen() * b;
+    }
+    let mut n = LANES;
+    while n > 1 {
+        n /= 2;
+        for i in 0..n {
+            acc[i] += acc[i + n];
+        }
+    }
+    acc[0] + tail
+}
+
+/// `out[r] = w[r, :] . x` for the rows of `w` (`out.len()` rows of `x.len()`), portable.
+fn rows_portable<E: Elem>(w: &[E], x: &[f32], out: &mut [f32]) {
+    for (o, row) in out.iter_mut().zip(w.chunks_exact(x.len())) {
+        *o = finish(lanes_portable(row, x), row, x);
+    }
+}
+
+/// AVX2 lane sums: two 8-wide accumulators are lanes 0..8 and 8..16; multiply then add (no FMA),
+/// exactly as the portable loop rounds.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{finish, LANES};
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx2")]
+    fn store(a0: __m256, a1: __m256) -> [f32; LANES] {
+        let mut acc = [0.0f32; LANES];
+        // SAFETY: `acc` holds 16 f32, the two unaligned stores write 8 each.
+        unsafe {
+            _mm256_storeu_ps(acc.as_mut_ptr(), a0);
+            _mm256_storeu_ps(acc.as_mut_ptr().add(8), a1);
+        }
+        acc
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub fn rows_bf16(w: &[half::bf16], x: &[f32], out: &mut [f32]) {
+        let n = x.len();
+        let body = n / LANES * LANES;
+        for (o, row) in out.iter_mut().zip(w.chunks_exact(n)) {
+            let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut i = 0;
+            while i < body {
+                // SAFETY: i + 16 <= body <= row.len() == x.len(); unaligned loads.
+                unsafe {
+                    let raw = _mm256_loadu_si256(row.as_ptr().add(i) as *const __m256i);
+                    let lo = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)));
+                    let hi = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm256_extracti128_si256::<1>(raw)));
+                    let x0 = _mm256_loadu_ps(x.as_ptr().add(i));
+                    let x1 = _mm256_loadu_ps(x.as_ptr().add(i + 8));
+                    a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_castsi256_ps(lo), x0));
+                    a1 = _mm256_add_ps(a1, _mm256_mul_ps(_mm256_castsi256_ps(hi), x1));
+                }
+                i += LANES;
+            }
+            *o = finish(store(a0, a1), row, x);
+        }
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub fn rows_f32(w: &[f32], x: &[f32], out: &mut [f32]) {
+        let n = x.len();
+        let body = n / LANES * LANES;
+        for (o, row) in out.iter_mut().zip(w.chunks_exact(n)) {
+            let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut i = 0;
+            while i < body {
+                // SAFETY: i + 16 <= body <= row.len() == x.len(); unaligned loads.
+                unsafe {
+                    let w0 = _mm256_loadu_ps(row.as_ptr().add(i));
+                    let w1 = _mm256_loadu_ps(row.as_ptr().add(i + 8));
+                    let x0 = _mm256_loadu_ps(x.as_ptr().add(i));
+                    let x1 = _mm256_loadu_ps(x.as_ptr().add(i + 8));
+                    a0 = _mm256_add_ps(a0, _mm256_mul_ps(w0, x0));
+                    a1 = _mm256_add_ps(a1, _mm256_mul_ps(w1, x1));
+                }
+                i += LANES;
+            }
+            *o = finish(store(a0, a1), row, x);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    std::arch::is_x86_feature_detected!("avx2")
+}
+
+fn rows_bf16(w: &[half::bf16], x: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        return unsafe { avx2::rows_bf16(w, x, out) };
+    }
+    rows_portable(w, x, out)
+}
+
+fn rows_f32(w: &[f32], x: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        return unsafe { avx2::rows_f32(w, x, out) };
+    }
+    rows_portable(w, x, out)
+}
+
+/// `out[r - row0] = w[r, :] . x` for rows `row0 .. row0 + out.len()` of `w` (`[_, x.len()]`).
+fn rows_of(w: WeightView<'_>, x: &[f32], row0: usize, out: &mut [f32]) {
     let n = x.len();
+    let (a, b) = (row0 * n, (row0 + out.len()) * n);
     match w {
-        WeightView::F32(w) => w[row * n..(row + 1) * n].iter().zip(x).map(|(a, b)| a * b).sum(),
-        WeightView::Bf16(w) => w[row * n..(row + 1) * n].iter().zip(x).map(|(a, b)| a.to_f32() * b).sum(),
+        WeightView::F32(w) => rows_f32(&w[a..b], x, out),
+        WeightView::Bf16(w) => rows_bf16(&w[a..b], x, out),
     }
 }
 
-/// `out[o] = sum_i w[o, i] * x[i]`, rayon over output rows.
+/// Threads the CPU ops run on (rayon's global pool; `RAYON_NUM_THREADS` sets it).
+pub fn threads() -> usize {
+    rayon::current_num_threads()
+}
+
+/// Weight elements one rayon task reads at least: below this, task overhead outweighs the work.
+const MIN_TASK_ELEMS: usize = 32 * 1024;
+
+/// Rows per rayon task: about four tasks per thread (load balance), never tiny ones.
+fn rows_per_task(n_out: usize, n_in: usize) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    let balanced = n_out.div_ceil(threads * 4);
+    let min_rows = MIN_TASK_ELEMS.div_ceil(n_in.max(1));
+    balanced.max(min_rows).max(1)
+}
+
+/// `out[o] = sum_i w[o, i] * x[i]`, rayon over chunks of output rows.
 pub fn matvec(w: WeightView<'_>, x: &[f32], out: &mut [f32]) {
     assert_eq!(w.len(), out.len() * x.len(), "matvec weight is not [out, in]");
-    out.par_iter_mut().enumerate().for_each(|(o, y)| *y = dot_row(w, o, x));
+    if x.is_empty() {
+        out.iter_mut().for_each(|o| *o = 0.0);
+        return;
+    }
+    let chunk = rows_per_task(out.len(), x.len());
+    if chunk >= out.len() {
+        rows_of(w, x, 0, out);
+    } else {
+        out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| rows_of(w, x, c * chunk, o));
+    }
 }
 
-/// `out[t, o] = sum_i w[o, i] * x[t, i]` for `t` rows of `x` (`[t, in]` row-major).
+/// `out[t, o] = sum_i w[o, i] * x[t, i]` for `t` rows of `x` (`[t, in]` row-major). Each output
+/// equals what [`matvec`] gives for that row of `x`, bit for bit. Rayon splits the weight rows, and
+/// each task runs all rows of `x` over its rows while they are in cache: weights are read once.
 pub fn matmul(w: WeightView<'_>, x: &[f32], n_in: usize, out: &mut [f32]) {
+    assert!(n_in > 0, "matmul with n_in = 0");
     assert_eq!(x.len() % n_in, 0);
     let t = x.len() / n_in;
     assert_eq!(w.len() % n_in, 0);
     let n_out = w.len() / n_in;
     assert_eq!(out.len(), t * n_out);
-    out.par_chunks_mut(n_out).zip(x.par_chunks(n_in)).for_each(|(y, xr)| {
-        for (o, v) in y.iter_mut().enumerate() {
-            *v = dot_row(w, o, xr);
+    if t <= 1 {
+        return matvec(w, x, out);
+    }
+    let chunk = rows_per_task(n_out, n_in);
+    // Per task: its rows' outputs for every row of x, `[t, rows]`; scattered into `out` after.
+    let blocks: Vec<(usize, Vec<f32>)> = (0..n_out.div_ceil(chunk))
+        .into_par_iter()
+        .map(|c| {
+            let r0 = c * chunk;
+            let rows = chunk.min(n_out - r0);
+            let mut y = vec![0.0; t * rows];
+            for (xr, yr) in x.chunks_exact(n_in).zip(y.chunks_exact_mut(rows)) {
+                rows_of(w, xr, r0, yr);
+            }
+            (r0, y)
+        })
+        .collect();
+    for (r0, y) in blocks {
+        let rows = y.len() / t;
+        for (yr, or) in y.chunks_exact(rows).zip(out.chunks_exact_mut(n_out)) {
+            or[r0..r0 + rows].copy_from_slice(yr);
         }
-    });
+    }
 }
 
 /// HF default inverse frequencies `1 / theta^(2i/d)` for `i < d/2`.
@@ -164,7 +381,7 @@ pub fn attention(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos: usize, p: Att
         Some(w) => (pos + 1).saturating_sub(w),
         None => 0,
     };
-    out.par_chunks_mut(hd).enumerate().for_each(|(h, o)| {
+    let head = |(h, o): (usize, &mut [f32])| {
         let kvh = h / group;
         let qh = &q[h * hd..(h + 1) * hd];
         let mut scores: Vec<f32> = (start..=pos)
@@ -184,7 +401,13 @@ pub fn attention(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos: usize, p: Att
                 *oi += s * vi;
             }
         }
-    });
+    };
+    // Heads are independent: parallel once there is enough work to pay for waking the pool.
+    if p.num_heads * (pos + 1 - start) * hd >= MIN_TASK_ELEMS {
+        out.par_chunks_mut(hd).enumerate().for_each(head);
+    } else {
+        out.chunks_mut(hd).enumerate().for_each(head);
+    }
 }
 
 /// Copy this position's k and v (`[kv_heads * head_dim]`) into the caches.
@@ -287,6 +510,72 @@ mod tests {
         let mut m = [0.0; 4];
         matmul(WeightView::F32(&w), &[1.0, 0.0, -1.0, 1.0, 1.0, 1.0], 3, &mut m);
         close(&m, &[-2.0, -2.0, 6.0, 15.0], 0.0);
+    }
+
+    #[test]
+    fn matvec_chunked_equals_per_row_dot_with_tails() {
+        // 300 rows x 37 inputs: several rayon chunks, a 16-lane body and a 5-element tail per row.
+        let (n_out, n_in) = (300usize, 37usize);
+        let w: Vec<f32> = (0..n_out * n_in).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 256.0).collect();
+        let x: Vec<f32> = (0..n_in).map(|i| (i as f32 - 18.0) / 8.0).collect();
+        let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        let mut o = vec![0.0; n_out];
+        let mut ob = vec![0.0; n_out];
+        matvec(WeightView::F32(&w), &x, &mut o);
+        matvec(WeightView::Bf16(&wb), &x, &mut ob);
+        for r in 0..n_out {
+            let want: f64 = (0..n_in).map(|i| w[r * n_in + i] as f64 * x[i] as f64).sum();
+            let want_b: f64 = (0..n_in).map(|i| wb[r * n_in + i].to_f32() as f64 * x[i] as f64).sum();
+            assert!((o[r] as f64 - want).abs() < 1e-3, "row {r}: {} vs {want}", o[r]);
+            assert!((ob[r] as f64 - want_b).abs() < 1e-3, "bf16 row {r}: {} vs {want_b}", ob[r]);
+        }
+        // matmul rows are matvec results bit for bit.
+        let x2: Vec<f32> = x.iter().chain(x.iter().rev()).copied().collect();
+        let mut m = vec![0.0; 2 * n_out];
+        matmul(WeightView::Bf16(&wb), &x2, n_in, &mut m);
+        assert_eq!(&m[..n_out], &ob[..]);
+        let mut o2 = vec![0.0; n_out];
+        matvec(WeightView::Bf16(&wb), &x2[n_in..], &mut o2);
+        assert_eq!(&m[n_out..], &o2[..]);
+    }
+
+    #[test]
+    fn simd_rows_equal_portable_rows_bit_for_bit() {
+        let (n_out, n_in) = (7usize, 16 * 5 + 3);
+        let w: Vec<f32> = (0..n_out * n_in).map(|i| ((i * 2654435761usize % 2001) as f32 - 1000.0) / 97.0).collect();
+        let x: Vec<f32> = (0..n_in).map(|i| ((i * 40503 % 301) as f32 - 150.0) / 13.0).collect();
+        let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        let (mut a, mut b) = (vec![0.0; n_out], vec![0.0; n_out]);
+        rows_portable(&w, &x, &mut a);
+        rows_f32(&w, &x, &mut b);
+        assert_eq!(a, b);
+        rows_portable(&wb, &x, &mut a);
+        rows_bf16(&wb, &x, &mut b);
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn bf16_widen_is_exact() {
+        for v in [0.0f32, -0.0, 1.0, -2.5, 3.0e38, 1.0e-38, f32::INFINITY] {
+            let b = bf16::from_f32(v);
+            assert_eq!(b.widen().to_bits(), b.to_f32().to_bits(), "{v}");
+        }
+    }
+
+    #[test]
+    fn norm_views_equal_the_f32_norm() {
+        let x = [3.0, -4.0, 0.5, 2.0];
+        let g = [1.0, 2.0, 0.5, -1.0];
+        let gb: Vec<bf16> = g.iter().map(|&v| bf16::from_f32(v)).collect();
+        let (mut a, mut b) = ([0.0; 4], [0.0; 4]);
+        rms_norm(&x, &g, 1e-5, &mut a);
+        rms_norm_view(&x, WeightView::Bf16(&gb), 1e-5, &mut b);
+        assert_eq!(a, b);
+        let mut c = x;
+        rms_norm_chunks_view(&mut c, WeightView::Bf16(&gb[..2]), 1e-5);
+        let mut d = x;
+        rms_norm_chunks(&mut d, &g[..2], 1e-5);
+        assert_eq!(c, d);
     }
 
     #[test]

@@ -113,3 +113,157 @@ impl Weights for crate::format::Archive {
         }
     }
 }
+
+/// Weights shared by several owners: the CLI keeps the archive (tokenizer, manifest) while the
+/// boxed engine holds it too.
+impl<T: Weights + ?Sized> Weights for std::sync::Arc<T> {
+    fn get(&self, role: Role, layer: Option<u32>) -> Option<WeightView<'_>> {
+        (**self).get(role, layer)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Opening: which compiled-in engine fits an archive.
+
+/// One architecture description thin-codegen knows, compiled into this binary or not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KnownArch {
+    /// The description's file stem, which is also its cargo feature (`smollm2-135m`).
+    pub name: &'static str,
+    pub family: crate::arch::Family,
+    /// `ShapeDims::fingerprint()` of the description's dims.
+    pub fingerprint: &'static str,
+}
+
+/// An engine compiled into this binary, and how to build it over weights of type `W`.
+pub struct CompiledEngine<W> {
+    pub arch: &'static str,
+    pub family: crate::arch::Family,
+    pub fingerprint: &'static str,
+    pub open: fn(W) -> Box<dyn Engine + Send>,
+}
+
+/// Why no compiled-in engine fits an archive. Every variant names what the archive is and what
+/// this binary has, so the message says what to rebuild or convert.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error(
+        "this `thin` was built without any architecture engine, and the archive is {archive}; \
+         architecture features: {available}; rebuild with `cargo build --release --features {suggest}`"
+    )]
+    NoEngines { archive: String, available: String, suggest: String },
+    #[error(
+        "the archive is {archive}, but this `thin` was built for {compiled}; \
+         rebuild with `cargo build --release --features {archive}`"
+    )]
+    NotCompiled { archive: String, compiled: String },
+    #[error(
+        "shape fingerprint mismatch: the archive is a {family} model with shape fingerprint {archive_fingerprint} \
+         ({dims}), but this `thin`'s {family} engines are {engines}; no description in archs/ has the \
+         archive's shapes (see archs/README.md, \"Adding an architecture\")"
+    )]
+    Fingerprint { family: &'static str, archive_fingerprint: String, dims: String, engines: String },
+    #[error(
+        "the archive is a {family} model (shape fingerprint {archive_fingerprint}) that no description in archs/ \
+         matches, and this `thin` was built for {compiled}"
+    )]
+    UnknownArch { family: &'static str, archive_fingerprint: String, compiled: String },
+    #[error("the manifest records shape fingerprint {recorded}, but its own dims give {computed}: the archive is inconsistent")]
+    InconsistentFingerprint { recorded: String, computed: String },
+}
+
+fn list_engines<W>(engines: &[&CompiledEngine<W>]) -> String {
+    engines.iter().map(|e| format!("{} (shape fingerprint {})", e.arch, e.fingerprint)).collect::<Vec<_>>().join(", ")
+}
+
+/// The compiled engine whose shape fingerprint equals the archive's (recomputed from the manifest's
+/// dims and checked against the recorded one), or an error naming both sides.
+/// `known` is every description codegen saw; `compiled` the engines built into this binary.
+pub fn select_engine<'e, W>(
+    manifest: &crate::manifest::Manifest,
+    known: &[KnownArch],
+    compiled: &'e [CompiledEngine<W>],
+) -> Result<&'e CompiledEngine<W>, OpenError> {
+    let dims = manifest.arch.shape_dims();
+    let fp = dims.fingerprint();
+    if fp != manifest.shape_fingerprint {
+        return Err(OpenError::InconsistentFingerprint { recorded: manifest.shape_fingerprint.clone(), computed: fp });
+    }
+    if let Some(e) = compiled.iter().find(|e| e.fingerprint == fp) {
+        return Ok(e);
+    }
+    let known_arch = known.iter().find(|k| k.fingerprint == fp);
+    let family = dims.family.name();
+    if compiled.is_empty() {
+        let archive = match known_arch {
+            Some(k) => k.name.to_string(),
+            None => format!("a {family} model (shape fingerprint {fp}) that no description in archs/ matches"),
+        };
+        let available = known.iter().map(|k| k.name).collect::<Vec<_>>().join(", ");
+        let suggest = known_arch.map_or("<arch>", |k| k.name).to_string();
+        return Err(OpenError::NoEngines { archive, available, suggest });
+    }
+    let all: Vec<&CompiledEngine<W>> = compiled.iter().collect();
+    if let Some(k) = known_arch {
+        return Err(OpenError::NotCompiled { archive: k.name.to_string(), compiled: list_engines(&all) });
+    }
+    let same_family: Vec<&CompiledEngine<W>> = compiled.iter().filter(|e| e.family == dims.family).collect();
+    if !same_family.is_empty() {
+        return Err(OpenError::Fingerprint {
+            family,
+            archive_fingerprint: fp,
+            dims: dims.normalized(),
+            engines: list_engines(&same_family),
+        });
+    }
+    Err(OpenError::UnknownArch { family, archive_fingerprint: fp, compiled: list_engines(&all) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arch::Family;
+    use crate::format::testkit::{tiny_arch, tiny_manifest};
+
+    fn engine(arch: &'static str, family: Family, fingerprint: &'static str) -> CompiledEngine<()> {
+        fn open(_: ()) -> Box<dyn Engine + Send> {
+            unreachable!("selection never opens")
+        }
+        CompiledEngine { arch, family, fingerprint, open }
+    }
+
+    fn leak(s: String) -> &'static str {
+        Box::leak(s.into_boxed_str())
+    }
+
+    #[test]
+    fn selection_names_both_sides() {
+        let m = tiny_manifest(tiny_arch(2, true));
+        let fp = leak(m.shape_fingerprint.clone());
+        let other = leak(tiny_manifest(tiny_arch(3, true)).shape_fingerprint);
+        let known = [
+            KnownArch { name: "tiny-2", family: Family::Llama, fingerprint: fp },
+            KnownArch { name: "tiny-3", family: Family::Llama, fingerprint: other },
+        ];
+
+        let fits = [engine("tiny-3", Family::Llama, other), engine("tiny-2", Family::Llama, fp)];
+        assert_eq!(select_engine(&m, &known, &fits).map(|e| e.arch).ok(), Some("tiny-2"));
+
+        let e = select_engine(&m, &known, &fits[..1]).err().expect("not compiled").to_string();
+        assert!(e.contains("the archive is tiny-2") && e.contains("built for tiny-3") && e.contains("--features tiny-2"), "{e}");
+
+        let e = select_engine(&m, &known[1..], &fits[..1]).err().expect("unknown shapes").to_string();
+        assert!(e.contains(fp) && e.contains(other) && e.contains("tiny-3"), "{e}");
+
+        let gemma = [engine("g", Family::Gemma3, other)];
+        let e = select_engine(&m, &known[1..], &gemma).err().expect("other family").to_string();
+        assert!(e.contains("llama model") && e.contains("built for g"), "{e}");
+
+        let e = select_engine::<()>(&m, &known, &[]).err().expect("no engines").to_string();
+        assert!(e.contains("tiny-2, tiny-3") && e.contains("cargo build --release --features tiny-2"), "{e}");
+
+        let mut bad = m.clone();
+        bad.shape_fingerprint = other.to_string();
+        assert!(matches!(select_engine(&bad, &known, &fits), Err(OpenError::InconsistentFingerprint { .. })));
+    }
+}

@@ -460,6 +460,7 @@ impl CudaEngine {
 
     /// One replay of the decode step with `token` at the current position.
     fn step(&mut self, token: u32) -> Result<(), EngineError> {
+        drv("binding the context", self._ctx.bind_to_thread()).map_err(Self::engine_err)?;
         if token as usize >= self.vocab {
             return Err(EngineError::TokenOutOfRange { token, vocab: self.vocab });
         }
@@ -507,6 +508,7 @@ impl crate::engine::Engine for CudaEngine {
         if tokens.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
+        drv("binding the context", self._ctx.bind_to_thread()).map_err(Self::engine_err)?;
         match self.blas {
             Some(h) => self.prefill_batched(h, tokens),
             None => {
@@ -525,12 +527,17 @@ impl crate::engine::Engine for CudaEngine {
     }
 
     fn reset(&mut self) {
+        let _ = self._ctx.bind_to_thread();
         let z = [0i32];
         let _ = unsafe { cu::memcpy_htod_sync(self.buf(Buf::Pos), &z) };
         self.pos = 0;
         self.device_tok = None;
     }
 }
+
+// The engine owns its context, stream, module and graph outright; every entry point binds the
+// context to the calling thread first, so moving the engine between threads is sound.
+unsafe impl Send for CudaEngine {}
 
 impl Drop for CudaEngine {
     fn drop(&mut self) {

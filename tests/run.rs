@@ -1,0 +1,274 @@
+//! `thin run` end to end on the tiny HF fixtures (`thin convert --profile f32` → `thin run`): JSON
+//! lines parsed line by line, greedy ids equal transformers' (tests/fixtures/tiny/*/reference.json)
+//! and the engine's own argmax, seeded sampling, `--chat`, engine selection errors, bad input.
+//!
+//! The binary needs the tiny arch features: the root package's dev-dependency on thin-generated
+//! enables them, and cargo (resolver 2) builds the `thin` binary that integration tests run with
+//! the dev-dependency features unified in. `engines_are_compiled_in` checks that this holds.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+use thin_core::engine::Engine;
+use thin_core::format::{Archive, ArchiveWriter};
+use thin_core::sampler::argmax;
+use thin_core::tokenizer::{ChatMessage, TextTokenizer};
+
+const FAMILIES: [&str; 4] = ["llama-tiny", "smollm3-tiny", "gemma3-tiny", "olmoe-tiny"];
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn thin(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_thin")).args(args).env("RAYON_NUM_THREADS", "2").output().expect("run thin")
+}
+
+fn utf8(p: &Path) -> &str {
+    p.to_str().expect("utf8 path")
+}
+
+/// `thin convert tests/fixtures/tiny/<name> --profile f32` into `dir`.
+fn convert(name: &str, dir: &Path) -> PathBuf {
+    let src = repo().join("tests/fixtures/tiny").join(name);
+    assert!(src.join("config.json").is_file(), "fixture {} is missing from the checkout", src.display());
+    let out = dir.join(format!("{name}.thin"));
+    let o = thin(&["convert", utf8(&src), "-o", utf8(&out), "--profile", "f32", "--quiet"]);
+    assert!(o.status.success(), "convert {name}: {}", String::from_utf8_lossy(&o.stderr));
+    out
+}
+
+struct Reference {
+    prompt_ids: Vec<u32>,
+    greedy_ids: Vec<u32>,
+}
+
+fn reference(name: &str) -> Reference {
+    let p = repo().join("tests/fixtures/tiny").join(name).join("reference.json");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(p).expect("reference.json")).expect("json");
+    let ids = |k: &str| -> Vec<u32> { v[k].as_array().expect(k).iter().map(|x| x.as_u64().expect("id") as u32).collect() };
+    // decode_ids are transformers' argmax after the prefill and after each decode step (greedy).
+    Reference { prompt_ids: ids("prompt_ids"), greedy_ids: ids("decode_ids") }
+}
+
+/// One `thin run --format jsonl`, every line parsed: prompt ids, (id, text) per token, stats.
+struct Jsonl {
+    prompt_ids: Vec<u32>,
+    tokens: Vec<(u32, String)>,
+    stats: Value,
+}
+
+impl Jsonl {
+    fn ids(&self) -> Vec<u32> {
+        self.tokens.iter().map(|t| t.0).collect()
+    }
+}
+
+fn run_jsonl(archive: &Path, extra: &[&str]) -> Jsonl {
+    let mut args = vec!["run", utf8(archive), "--format", "jsonl"];
+    args.extend_from_slice(extra);
+    let o = thin(&args);
+    assert!(o.status.success(), "thin {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8(o.stdout).expect("stdout is utf8");
+    let lines: Vec<Value> =
+        text.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l:?}: {e}"))).collect();
+    assert!(lines.len() >= 2, "{text}");
+    let ids = |v: &Value| -> Vec<u32> { v.as_array().expect("ids").iter().map(|x| x.as_u64().expect("id") as u32).collect() };
+    let first = &lines[0];
+    assert_eq!(first.as_object().map(|o| o.len()), Some(1), "first line is only prompt_ids: {first}");
+    let prompt_ids = ids(&first["prompt_ids"]);
+    let tokens = lines[1..lines.len() - 1]
+        .iter()
+        .map(|l| {
+            assert_eq!(l.as_object().map(|o| o.len()), Some(2), "token line: {l}");
+            (l["id"].as_u64().expect("id") as u32, l["text"].as_str().expect("text").to_string())
+        })
+        .collect::<Vec<_>>();
+    let stats = lines[lines.len() - 1].clone();
+    for k in ["prompt_tokens", "generated_tokens", "prompt_tok_s", "gen_tok_s", "stop"] {
+        assert!(stats.get(k).is_some(), "stats lack {k}: {stats}");
+    }
+    assert_eq!(stats["prompt_tokens"].as_u64(), Some(prompt_ids.len() as u64));
+    assert_eq!(stats["generated_tokens"].as_u64(), Some(tokens.len() as u64));
+    Jsonl { prompt_ids, tokens, stats }
+}
+
+fn ids_arg(ids: &[u32]) -> String {
+    ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",")
+}
+
+fn compiled() -> Vec<&'static str> {
+    thin_generated::CPU_ENGINES.iter().map(|e| e.arch).collect()
+}
+
+#[test]
+fn engines_are_compiled_in() {
+    // The test build of thin-generated is the one the `thin` binary links (features unified).
+    for f in FAMILIES {
+        assert!(compiled().contains(&f), "{f} is not compiled in: {:?}", compiled());
+    }
+}
+
+#[test]
+fn greedy_ids_equal_transformers_on_every_family() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    for name in FAMILIES {
+        let a = convert(name, tmp.path());
+        let r = reference(name);
+        let n = r.greedy_ids.len().to_string();
+        let out = run_jsonl(&a, &["--prompt-ids", &ids_arg(&r.prompt_ids), "--max-tokens", &n]);
+        assert_eq!(out.prompt_ids, r.prompt_ids, "{name}");
+        assert_eq!(out.ids(), r.greedy_ids, "{name}: greedy ids vs transformers");
+        assert_eq!(out.stats["stop"], "max_tokens", "{name}");
+        assert_eq!(out.stats["arch"], name);
+    }
+}
+
+#[test]
+fn text_prompt_ids_are_the_tokenizers_and_ids_the_engines_argmax() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let a = convert("llama-tiny", tmp.path());
+    let prompt = "The quick brown fox";
+    let out = run_jsonl(&a, &["--prompt", prompt, "--max-tokens", "12"]);
+
+    let archive = Archive::open(&a).expect("open");
+    let tok = TextTokenizer::from_info(&archive.manifest().tokenizer).expect("tokenizer");
+    let want_prompt = tok.encode(prompt).expect("encode");
+    assert_eq!(out.prompt_ids, want_prompt);
+
+    let mut engine = thin_generated::llama_tiny::Engine::new(archive);
+    let mut logits = engine.prefill(&want_prompt).expect("prefill");
+    let mut want = Vec::new();
+    loop {
+        let id = argmax(&logits);
+        want.push(id);
+        if tok.is_eos(id) || want.len() == 12 {
+            break;
+        }
+        logits = engine.decode_step(id).expect("decode");
+    }
+    assert_eq!(out.ids(), want);
+    let stop = if tok.is_eos(*want.last().expect("a token")) { "eos" } else { "max_tokens" };
+    assert_eq!(out.stats["stop"], stop);
+
+    // Text mode streams the same pieces; the stats go to stderr.
+    let o = thin(&["run", utf8(&a), "--prompt", prompt, "--max-tokens", "12"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let pieces: String = out.tokens.iter().map(|t| t.1.as_str()).collect();
+    assert_eq!(String::from_utf8_lossy(&o.stdout), pieces + "\n");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("prompt:") && err.contains("generation:") && err.contains("tok/s"), "{err}");
+}
+
+#[test]
+fn seeded_sampling_is_reproducible() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let a = convert("olmoe-tiny", tmp.path());
+    let ids = ids_arg(&reference("olmoe-tiny").prompt_ids);
+    let sample = |seed: &str| {
+        run_jsonl(&a, &["--prompt-ids", &ids, "--max-tokens", "24", "--temperature", "1.0", "--top-k", "40", "--top-p", "0.95", "--seed", seed])
+            .ids()
+    };
+    let (a1, a2, b) = (sample("1"), sample("1"), sample("2"));
+    assert_eq!(a1.len(), 24);
+    assert_eq!(a1, a2, "same seed, same tokens");
+    assert_ne!(a1, b, "different seeds gave the same 24 tokens");
+    let greedy = run_jsonl(&a, &["--prompt-ids", &ids, "--max-tokens", "24", "--temperature", "0", "--seed", "5"]).ids();
+    assert_eq!(greedy, run_jsonl(&a, &["--prompt-ids", &ids, "--max-tokens", "24"]).ids(), "temperature 0 is greedy");
+}
+
+#[test]
+fn chat_renders_the_archives_template() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let a = convert("llama-tiny", tmp.path());
+    let out = run_jsonl(&a, &["--chat", "--prompt", "hi there", "--max-tokens", "4"]);
+    let archive = Archive::open(&a).expect("open");
+    let tok = TextTokenizer::from_info(&archive.manifest().tokenizer).expect("tokenizer");
+    let rendered = tok.render_chat(&[ChatMessage { role: "user".into(), content: "hi there".into() }]).expect("template");
+    assert!(rendered.contains("<user>hi there"), "{rendered}");
+    assert_eq!(out.prompt_ids, tok.encode(&rendered).expect("encode"));
+    assert_eq!(out.tokens.len(), 4);
+}
+
+/// Rewrites `src` with `arch` changed: an archive that claims other shapes. Its tensors are the
+/// source's (layer 0's repeated when there are more layers): only engine selection reads it.
+fn with_arch(src: &Path, out: &Path, change: impl FnOnce(&mut thin_core::arch::ArchConfig)) {
+    let a = Archive::open(src).expect("open");
+    let mut m = a.manifest().clone();
+    change(&mut m.arch);
+    m.shape_fingerprint = m.arch.shape_fingerprint();
+    let mut w = ArchiveWriter::create(out).expect("create");
+    for t in &a.manifest().tensors {
+        w.add_tensor(t.clone(), a.tensor_bytes(t).expect("bytes")).expect("add");
+    }
+    for l in a.manifest().arch.num_layers..m.arch.num_layers {
+        for t in a.manifest().tensors.iter().filter(|t| t.layer == Some(0)) {
+            let mut e = t.clone();
+            e.layer = Some(l as u32);
+            e.name = e.role.tensor_name(e.layer);
+            w.add_tensor(e, a.tensor_bytes(t).expect("bytes")).expect("add");
+        }
+    }
+    w.finish(m).expect("finish");
+}
+
+fn run_fails(archive: &Path, extra: &[&str]) -> String {
+    let mut args = vec!["run", utf8(archive)];
+    args.extend_from_slice(extra);
+    let o = thin(&args);
+    assert_eq!(o.status.code(), Some(1), "thin {args:?} should fail: {}", String::from_utf8_lossy(&o.stdout));
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(err.lines().any(|l| l.starts_with("error: ")) && !err.contains("panicked"), "{err}");
+    err
+}
+
+#[test]
+fn arch_mismatch_names_both_archs_and_fingerprints() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let tiny = convert("llama-tiny", tmp.path());
+
+    // An archive with llama3.2-1b's shapes, which this build has no engine for.
+    let big = tmp.path().join("llama3.2-1b.thin");
+    with_arch(&tiny, &big, |a| {
+        (a.vocab_size, a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads) = (128256, 2048, 16, 32, 8);
+        (a.head_dim, a.intermediate_size, a.tie_word_embeddings) = (64, 8192, true);
+    });
+    let known = thin_generated::KNOWN_ARCHS.iter().find(|k| k.name == "llama3.2-1b").expect("known");
+    assert_eq!(Archive::open(&big).expect("open").manifest().shape_fingerprint, known.fingerprint, "dims of llama3.2-1b");
+    assert!(!compiled().contains(&"llama3.2-1b"), "this test needs a build without llama3.2-1b");
+    let err = run_fails(&big, &["--prompt", "hi"]);
+    assert!(err.contains("the archive is llama3.2-1b") && err.contains("llama-tiny"), "{err}");
+    assert!(err.contains("--features llama3.2-1b"), "{err}");
+
+    // Llama-family shapes that no description has: both fingerprints are named.
+    let odd = tmp.path().join("odd.thin");
+    with_arch(&tiny, &odd, |a| a.intermediate_size = 96);
+    let odd_fp = Archive::open(&odd).expect("open").manifest().shape_fingerprint.clone();
+    let err = run_fails(&odd, &["--prompt", "hi"]);
+    assert!(err.contains(&odd_fp) && err.contains(thin_generated::llama_tiny::SHAPE_FINGERPRINT), "{err}");
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let a = convert("llama-tiny", tmp.path());
+    assert!(run_fails(&a, &["--prompt", ""]).contains("empty"));
+    assert!(run_fails(&a, &["--prompt-ids", "1,999"]).contains("outside the vocabulary"));
+    assert!(run_fails(&a, &["--prompt", "x", "--top-p", "0"]).contains("--top-p"));
+    assert!(run_fails(&a, &["--prompt", "x", "--temperature=-1"]).contains("--temperature"));
+    // llama-tiny's context is 256 positions.
+    let long = ids_arg(&vec![5u32; 300]);
+    assert!(run_fails(&a, &["--prompt-ids", &long]).contains("max_seq 256"));
+    let missing = tmp.path().join("nope.thin");
+    assert!(run_fails(&missing, &["--prompt", "x"]).contains("nope.thin"));
+    let not_an_archive = tmp.path().join("junk.thin");
+    std::fs::write(&not_an_archive, b"not a thin archive").expect("write");
+    assert!(run_fails(&not_an_archive, &["--prompt", "x"]).contains("junk.thin"));
+
+    // Generation that reaches the end of the context stops there and says so.
+    let near_full = ids_arg(&vec![5u32; 250]);
+    let out = run_jsonl(&a, &["--prompt-ids", &near_full, "--max-tokens", "20"]);
+    assert_eq!(out.stats["stop"], "max_seq");
+    assert_eq!(out.tokens.len(), 7, "positions 250..256 plus the last sampled token");
+}
