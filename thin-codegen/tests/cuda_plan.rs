@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use thin_core::arch::LayerAttention;
 use thin_core::convert::{convert, ConvertOptions};
-use thin_core::cuda::plan::{decode_launches, weights_used, CudaArch, Layout, PlanError, RopeTable};
+use thin_core::cuda::plan::{decode_launches, prefill_steps, weights_used, CudaArch, Fusion, Layout, PlanError, RopeTable, Step};
 use thin_core::format::Archive;
 use thin_core::quant::Profile;
 use thin_core::role::Role;
@@ -45,9 +45,17 @@ fn check(name: &str, arch: CudaArch) -> Archive {
             assert_eq!(spec.window.map(|w| w as u64), m.arch.sliding_window);
         }
     }
-    let layout = Layout::new(&arch, 64).unwrap();
-    let launches = decode_launches(&arch, &layout, 132).unwrap();
-    for (role, layer) in weights_used(&launches) {
+    let layout = Layout::new(&arch, 64, 16, 2).unwrap();
+    let mut used = Vec::new();
+    for fusion in [Fusion::Fused, Fusion::Unfused] {
+        used.extend(weights_used(&decode_launches(&arch, &layout, 132, fusion).unwrap()));
+    }
+    for step in prefill_steps(&arch, &layout, 16).unwrap() {
+        if let Step::Gemm(g) = step {
+            used.push(g.weight);
+        }
+    }
+    for (role, layer) in used {
         let t = m.tensor(role, layer).unwrap_or_else(|| panic!("{name}: the CUDA plan reads {role:?} {layer:?}, absent from the archive"));
         let n: u64 = t.shape.iter().product();
         assert_eq!(n as usize, expected_elems(&arch, role), "{name}: {role:?} {layer:?} shape {:?}", t.shape);
@@ -82,5 +90,5 @@ fn gemma3_plan_has_windows_local_rope_and_sandwich_norms() {
 fn olmoe_is_refused_by_name() {
     let a = thin_generated::olmoe_tiny::cuda::arch();
     let layout = Layout::new(&a, 64, 32, 2).unwrap();
-    assert!(matches!(decode_launches(&a, &layout, 132, thin_core::cuda::plan::Fusion::Fused), Err(PlanError::Unsupported { .. })));
+    assert!(matches!(decode_launches(&a, &layout, 132, Fusion::Fused), Err(PlanError::Unsupported { .. })));
 }
