@@ -250,8 +250,10 @@ impl CudaEngine {
         let mut sources: Vec<(&[u8], usize)> = Vec::new();
         for &(role, layer) in &used {
             let e = m.tensor(role, layer).ok_or(CudaError::Weight { role, layer, msg: "missing from the archive".into() })?;
-            if e.dtype != dtype {
-                return Err(CudaError::Weight { role, layer, msg: format!("stored as {:?} while the embedding is {dtype:?}", e.dtype) });
+            // Norm vectors are f32 in every profile; matrices share the embedding's type.
+            let want = if role.is_norm() { DType::F32 } else { dtype };
+            if e.dtype != want {
+                return Err(CudaError::Weight { role, layer, msg: format!("stored as {:?}; the kernels read it as {want:?}", e.dtype) });
             }
             let bytes = archive.tensor_bytes(e).map_err(|err| CudaError::Weight { role, layer, msg: err.to_string() })?;
             offsets.insert((role, layer), total);
