@@ -21,6 +21,8 @@ def main():
     ap.add_argument("--prompt-lens", default="1,128")
     ap.add_argument("--cpu-check", type=int, default=0,
                     help="also run thin's CPU reference engine over prompt + this many ids and compare the GPU to it")
+    ap.add_argument("--fp32-ref", action="store_true",
+                    help="also score thin and HF bf16 against HF fp32 on the same weights (who is closer to exact?)")
     a = ap.parse_args()
     kw = dict(gguf_file=a.gguf) if a.gguf else {}
     model = transformers.AutoModelForCausalLM.from_pretrained(a.hf_dir, dtype=torch.bfloat16, attn_implementation="eager", **kw).cuda().eval()
@@ -54,19 +56,28 @@ def main():
                                       max_abs_diff=float(np.abs(cpu - gpu).max()), logit_absmax=float(np.abs(cpu).max()),
                                       min_cosine=round(float(cc.min()), 7), top1_match=float((cpu.argmax(1) == gpu.argmax(1)).mean()))), flush=True)
         assert ours.shape == ref.shape, (ours.shape, ref.shape)
-        r, o = ref[1:].astype(np.float64), ours[1:].astype(np.float64)  # the decode rows
-        cos = (r * o).sum(1) / (np.linalg.norm(r, axis=1) * np.linalg.norm(o, axis=1))
-        top1 = (r.argmax(1) == o.argmax(1)).mean()
-        t5r, t5o = np.argsort(-r, 1)[:, :5], np.argsort(-o, 1)[:, :5]
-        top5 = np.mean([len(set(x) & set(y)) / 5 for x, y in zip(t5r, t5o)])
-        lp = lambda z: z - z.max(1, keepdims=True) - np.log(np.exp(z - z.max(1, keepdims=True)).sum(1, keepdims=True))
-        pr, po = lp(r), lp(o)
-        kl = (np.exp(pr) * (pr - po)).sum(1).mean()
-        c0 = float((ref[0] * ours[0]).sum() / (np.linalg.norm(ref[0]) * np.linalg.norm(ours[0])))
-        print(json.dumps(dict(model=a.name, prompt_len=plen, steps=a.steps, min_cosine=round(float(cos.min()), 6),
-                              mean_cosine=round(float(cos.mean()), 6), top1_match=round(float(top1), 4),
-                              top5_set=round(float(top5), 4), mean_kl=float(kl), prefill_row_cosine=round(c0, 6),
-                              hf_logit_std=round(float(r.std()), 4))), flush=True)
+        m = scores(ref, ours)
+        print(json.dumps(dict(model=a.name, prompt_len=plen, steps=a.steps, **m, hf_logit_std=round(float(ref[1:].std()), 4))), flush=True)
+        if a.fp32_ref:
+            with torch.no_grad():
+                exact = model.float()(full).logits[0, plen - 1:].float().cpu().numpy()
+            model.to(torch.bfloat16)
+            print(json.dumps(dict(model=a.name, prompt_len=plen, reference="hf-fp32", thin=scores(exact, ours),
+                                  hf_bf16=scores(exact, ref))), flush=True)
+
+
+def scores(ref, ours):
+    """min/mean cosine, top-1, top-5 set overlap and mean KL(ref || ours) over the decode rows."""
+    r, o = ref[1:].astype(np.float64), ours[1:].astype(np.float64)
+    cos = (r * o).sum(1) / (np.linalg.norm(r, axis=1) * np.linalg.norm(o, axis=1))
+    t5r, t5o = np.argsort(-r, 1)[:, :5], np.argsort(-o, 1)[:, :5]
+    lp = lambda z: z - z.max(1, keepdims=True) - np.log(np.exp(z - z.max(1, keepdims=True)).sum(1, keepdims=True))
+    pr, po = lp(r), lp(o)
+    c0 = float((ref[0] * ours[0]).sum() / (np.linalg.norm(ref[0]) * np.linalg.norm(ours[0])))
+    return dict(min_cosine=round(float(cos.min()), 6), mean_cosine=round(float(cos.mean()), 6),
+                top1_match=round(float((r.argmax(1) == o.argmax(1)).mean()), 4),
+                top5_set=round(float(np.mean([len(set(x) & set(y)) / 5 for x, y in zip(t5r, t5o)])), 4),
+                mean_kl=float((np.exp(pr) * (pr - po)).sum(1).mean()), prefill_row_cosine=round(c0, 6))
 
 
 if __name__ == "__main__":

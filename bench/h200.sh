@@ -20,8 +20,10 @@ python3 bench/make_models.py "$W/hf" $MODELS 2>&1 | grep -v Warning
 for m in $MODELS; do
   "$BIN" convert "$W/hf/$m" -o "$W/$m.thin" --profile bf16 --quiet || { echo "{\"model\":\"$m\",\"error\":\"convert\"}" | tee -a "$OUT/thin.jsonl"; continue; }
   # First start compiles the kernels into the cache; the timed run below starts warm.
-  "$BIN" bench "$W/$m.thin" --json --steps 20 --reps 1 --pp 16 --tg 16 > "$OUT/cold_$m.json" 2> "$OUT/cold_$m.err" || cat "$OUT/cold_$m.err"
+  "$BIN" bench "$W/$m.thin" --json --steps 20 --reps 1 --pp 16 --tg 16 >> "$OUT/cold.jsonl" 2>> "$OUT/cold.err" || tail -3 "$OUT/cold.err"
   "$BIN" bench "$W/$m.thin" --json | tee -a "$OUT/thin.jsonl"
+  # A/B: the same step without programmatic dependent launch.
+  THIN_NO_PDL=1 "$BIN" bench "$W/$m.thin" --json --reps 1 >> "$OUT/nopdl.jsonl"
   python3 bench/fidelity.py "$W/hf/$m" "$BIN" "$W/$m.thin" "$m" ${FIDELITY_ARGS:-} 2>&1 | grep -v Warning | tee -a "$OUT/fidelity.jsonl"
 done
 if [ "${PEER:-0}" = 1 ]; then
