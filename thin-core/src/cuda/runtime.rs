@@ -91,8 +91,6 @@ pub struct LoadStats {
     pub kv_bytes: usize,
     pub launches_per_step: usize,
     pub fused: bool,
-    /// Programmatic dependent launch between the decode step's kernels (off: THIN_NO_PDL=1).
-    pub pdl: bool,
 }
 
 /// Compile `source` for `target` to a cubin, or read it from the cache.
@@ -221,7 +219,6 @@ impl CudaEngine {
         // THIN_UNFUSED=1 runs the seven-kernel layer instead (A/B timing, bisecting).
         let fusion = if std::env::var_os("THIN_UNFUSED").is_some_and(|v| v == "1") { plan::Fusion::Unfused } else { plan::Fusion::Fused };
         stats.fused = fusion == plan::Fusion::Fused;
-        stats.pdl = major >= 9 && !std::env::var_os("THIN_NO_PDL").is_some_and(|v| v == "1");
         let launches = plan::decode_launches(arch, &layout, sm_count, fusion)?;
         let mut used = plan::weights_used(&launches);
         for step in plan::prefill_steps(arch, &layout, 1)? {
@@ -337,7 +334,7 @@ impl CudaEngine {
         drv("starting graph capture", unsafe { cu::stream::begin_capture(cs, cusys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) })?;
         let mut capture_err = None;
         for l in &self.launches {
-            if let Err(e) = self.launch_with(l, self.stats.pdl) {
+            if let Err(e) = self.launch(l) {
                 capture_err = Some(e);
                 break;
             }
@@ -367,12 +364,6 @@ impl CudaEngine {
     }
 
     fn launch(&self, l: &Launch) -> Result<(), CudaError> {
-        self.launch_with(l, false)
-    }
-
-    /// Launch one kernel; with `pdl`, as a programmatic dependent launch (it may start while the
-    /// previous kernel drains; the kernels' `griddepcontrol.wait` keeps the data order).
-    fn launch_with(&self, l: &Launch, pdl: bool) -> Result<(), CudaError> {
         let f = *self.funcs.get(l.kernel).ok_or(CudaError::Driver { what: "launching", err: format!("no kernel {}", l.kernel) })?;
         let mut values: Vec<ParamValue> = l.args.iter().map(|a| self.resolve(a)).collect::<Result<_, _>>()?;
         let mut params: Vec<*mut c_void> = values
@@ -382,26 +373,7 @@ impl CudaEngine {
                 ParamValue::I32(i) => i as *mut i32 as *mut c_void,
             })
             .collect();
-        if !pdl {
-            return drv("launching a kernel", unsafe { cu::launch_kernel(f, l.grid, (l.block, 1, 1), 0, self.stream.cu_stream(), &mut params) });
-        }
-        let mut attr: cusys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = cusys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
-        let cfg = cusys::CUlaunchConfig {
-            gridDimX: l.grid.0,
-            gridDimY: l.grid.1,
-            gridDimZ: l.grid.2,
-            blockDimX: l.block,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: 0,
-            hStream: self.stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
-        };
-        let r = unsafe { cusys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()) };
-        drv("launching a kernel (programmatic dependent launch)", r.result())
+        drv("launching a kernel", unsafe { cu::launch_kernel(f, l.grid, (l.block, 1, 1), 0, self.stream.cu_stream(), &mut params) })
     }
 
     /// One prefill GEMM: `out[:, col..col+n] (+)= input · W^T` (row-major), as cuBLAS's
