@@ -544,13 +544,7 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
     let attn_softcap = match a.softcap { Some(c) => { let c = c as f32; quote!(Some(#c)) } None => quote!(None) };
     let theta = d.rope.theta;
     let local_theta = d.rope.local_theta.unwrap_or(d.rope.theta);
-    let inv = |t: f64| match &d.rope.scaling {
-        Some(sc) => {
-            let (f, lo, hi, orig) = (sc.factor, sc.low_freq_factor, sc.high_freq_factor, sc.original_max_position_embeddings as f64);
-            quote!(thin_core::cpu::llama3_inv_freq(&thin_core::cpu::rope_inv_freq(consts::HEAD_DIM, #t), #f, #lo, #hi, #orig))
-        }
-        None => quote!(thin_core::cpu::rope_inv_freq(consts::HEAD_DIM, #t)),
-    };
+    let inv = |t: f64| inv_freq_tokens(d, t, quote!(consts::HEAD_DIM));
     let (inv_g, inv_l) = (inv(theta), inv(local_theta));
     let prologue: Vec<_> = plan.prologue.iter().map(|o| emit_op(o, None, eps)).collect();
     let epilogue: Vec<_> = plan.epilogue.iter().map(|o| emit_op(o, None, eps)).collect();
@@ -708,6 +702,17 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
     }
 }
 
+/// The expression computing the RoPE inverse frequencies for `theta` (with the arch's scaling).
+fn inv_freq_tokens(d: &Description, theta: f64, head_dim: TokenStream) -> TokenStream {
+    match &d.rope.scaling {
+        Some(sc) => {
+            let (f, lo, hi, orig) = (sc.factor, sc.low_freq_factor, sc.high_freq_factor, sc.original_max_position_embeddings as f64);
+            quote!(thin_core::cpu::llama3_inv_freq(&thin_core::cpu::rope_inv_freq(#head_dim, #theta), #f, #lo, #hi, #orig))
+        }
+        None => quote!(thin_core::cpu::rope_inv_freq(#head_dim, #theta)),
+    }
+}
+
 /// The `cuda` submodule of a generated engine: the arch as the CUDA runtime sees it, with the
 /// kernel sources embedded. Plain data, so it builds with or without the `cuda` feature.
 pub fn emit_cuda_module(d: &Description, plan: &Plan) -> TokenStream {
@@ -721,13 +726,7 @@ pub fn emit_cuda_module(d: &Description, plan: &Plan) -> TokenStream {
     let moe = d.moe.is_some();
     let opt = |x: Option<f64>| match x { Some(c) => { let c = c as f32; quote!(Some(#c)) } None => quote!(None) };
     let (attn_softcap, final_softcap) = (opt(a.softcap), opt(d.final_logit_softcap));
-    let inv = |t: f64| match &d.rope.scaling {
-        Some(sc) => {
-            let (f, lo, hi, orig) = (sc.factor, sc.low_freq_factor, sc.high_freq_factor, sc.original_max_position_embeddings as f64);
-            quote!(thin_core::cpu::llama3_inv_freq(&thin_core::cpu::rope_inv_freq(#hd, #t), #f, #lo, #hi, #orig))
-        }
-        None => quote!(thin_core::cpu::rope_inv_freq(#hd, #t)),
-    };
+    let inv = |t: f64| inv_freq_tokens(d, t, hd.clone());
     let (inv_g, inv_l) = (inv(d.rope.theta), inv(d.rope.local_theta.unwrap_or(d.rope.theta)));
     let layers: Vec<_> = plan
         .layers
