@@ -23,9 +23,6 @@ pub trait BenchEngine: Engine {
     fn load_stats(&self) -> serde_json::Value {
         serde_json::Value::Null
     }
-    fn arch_name(&self) -> String {
-        String::new()
-    }
 }
 
 #[cfg(feature = "cuda")]
@@ -38,9 +35,6 @@ impl BenchEngine for thin_core::cuda::runtime::CudaEngine {
     }
     fn load_stats(&self) -> serde_json::Value {
         serde_json::to_value(&self.stats).unwrap_or_default()
-    }
-    fn arch_name(&self) -> String {
-        self.arch.to_string()
     }
 }
 
@@ -112,6 +106,7 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     let m = archive.manifest();
     let vocab = m.arch.vocab_size as usize;
     let profile = m.tensor(Role::TokenEmbd, None).map(|t| t.dtype.name()).unwrap_or("?");
+    let name = thin_generated::arch_name(&m.shape_fingerprint).unwrap_or("?");
     let tok = thin_core::tokenizer::TextTokenizer::from_info(&m.tokenizer).context("building the tokenizer")?;
     let hello = tok.encode("Hello").context("encoding the prompt")?;
     let mut e = open_cuda(&archive, opts.ctx, !opts.json)?;
@@ -155,7 +150,7 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     let (tg_m, tg_sd) = mean_sd(&tg);
     let peak = BenchEngine::device_bytes(&e).map(|b| b as f64 / (1u64 << 30) as f64);
     let rec = json!({
-        "model": e.arch_name(),
+        "model": name,
         "profile": profile,
         "engine": "thin",
         "backend": "cuda",
@@ -171,7 +166,6 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     if opts.json {
         println!("{rec}");
     } else {
-        let name = e.arch_name();
         println!("{name} ({profile}), reference method: {decode_tok_s:.1} tok/s decode");
         println!("| model | test | t/s |");
         println!("|---|---|---|");

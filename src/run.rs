@@ -159,10 +159,12 @@ pub fn generate(
 
 /// The engine for `archive` on `backend`, and the backend's name.
 fn open_engine(backend: Backend, archive: Arc<Archive>) -> anyhow::Result<(Box<dyn Engine + Send>, &'static str)> {
+    // The CUDA engine allocates its KV cache up front: 4096 positions, or fewer if the model allows fewer.
+    let ctx = 4096.min(archive.manifest().arch.max_position_embeddings.max(1) as usize);
     match backend {
         Backend::Cpu => Ok((thin_generated::open_cpu(archive)?, "cpu")),
-        Backend::Cuda => Ok((Box::new(crate::bench::open_cuda(&archive, 4096.min(ctx_of(&archive)), true)?), "cuda")),
-        Backend::Auto if cfg!(feature = "cuda") => match crate::bench::open_cuda(&archive, 4096.min(ctx_of(&archive)), true) {
+        Backend::Cuda => Ok((Box::new(crate::bench::open_cuda(&archive, ctx, true)?), "cuda")),
+        Backend::Auto if cfg!(feature = "cuda") => match crate::bench::open_cuda(&archive, ctx, true) {
             Ok(e) => Ok((Box::new(e), "cuda")),
             Err(e) => {
                 eprintln!("CUDA backend unavailable ({e:#}); using the CPU backend");
@@ -171,11 +173,6 @@ fn open_engine(backend: Backend, archive: Arc<Archive>) -> anyhow::Result<(Box<d
         },
         Backend::Auto => Ok((thin_generated::open_cpu(archive)?, "cpu")),
     }
-}
-
-/// KV-cache positions the archive's model allows.
-fn ctx_of(archive: &Archive) -> usize {
-    archive.manifest().arch.max_position_embeddings.max(1) as usize
 }
 
 fn check_sampling(a: &RunArgs) -> anyhow::Result<SamplerConfig> {

@@ -50,9 +50,13 @@ struct DeviceBuffer {
 }
 
 impl DeviceBuffer {
-    fn new(bytes: usize, what: &'static str) -> Result<Self, CudaError> {
+    /// `zeroed`: clear it first (the arena: KV cache, position and token start at 0). Weights are
+    /// overwritten by their upload and skip the clear.
+    fn new(bytes: usize, zeroed: bool, what: &'static str) -> Result<Self, CudaError> {
         let ptr = drv(what, unsafe { cu::malloc_sync(bytes.max(1)) })?;
-        drv(what, unsafe { cu::memset_d8_sync(ptr, 0, bytes.max(1)) })?;
+        if zeroed {
+            drv(what, unsafe { cu::memset_d8_sync(ptr, 0, bytes.max(1)) })?;
+        }
         Ok(DeviceBuffer { ptr, bytes })
     }
 }
@@ -177,12 +181,10 @@ pub struct CudaEngine {
     wtype: blassys::cudaDataType,
     arena: DeviceBuffer,
     layout: Layout,
-    vocab: usize,
     pos: usize,
     /// The token id the device already holds in `Tok` (the last argmax), if known.
     device_tok: Option<u32>,
     pub stats: LoadStats,
-    pub arch: &'static str,
 }
 
 impl CudaEngine {
@@ -260,7 +262,7 @@ impl CudaEngine {
             sources.push((bytes, total));
             total += bytes.len().div_ceil(plan::ALIGN) * plan::ALIGN;
         }
-        let weights = DeviceBuffer::new(total, "allocating weights")?;
+        let weights = DeviceBuffer::new(total, false, "allocating weights")?;
         let bar = if progress {
             let b = indicatif::ProgressBar::new(total as u64);
             b.set_style(
@@ -281,7 +283,7 @@ impl CudaEngine {
         }
         stats.weight_bytes = total;
 
-        let arena = DeviceBuffer::new(layout.total_bytes, "allocating activations and KV cache")?;
+        let arena = DeviceBuffer::new(layout.total_bytes, true, "allocating activations and KV cache")?;
         for t in [RopeTable::Global, RopeTable::Local] {
             if let (Some((co, _)), Some((so, _))) = (layout.get(Buf::Cos(t)), layout.get(Buf::Sin(t))) {
                 let (c, s) = plan::rope_tables(arch, t, ctx);
@@ -317,11 +319,9 @@ impl CudaEngine {
             wtype,
             arena,
             layout,
-            vocab: arch.vocab,
             pos: 0,
             device_tok: None,
             stats,
-            arch: arch.arch,
         };
         e.capture()?;
         Ok(e)
@@ -420,8 +420,8 @@ impl CudaEngine {
         if self.pos + tokens.len() > self.layout.ctx {
             return Err(EngineError::ContextFull { pos: self.pos + tokens.len(), max_seq: self.layout.ctx });
         }
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.vocab) {
-            return Err(EngineError::TokenOutOfRange { token: t, vocab: self.vocab });
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.spec.vocab) {
+            return Err(EngineError::TokenOutOfRange { token: t, vocab: self.spec.vocab });
         }
         let cs = self.stream.cu_stream();
         let mut last_rows = 0;
@@ -463,8 +463,8 @@ impl CudaEngine {
     /// One replay of the decode step with `token` at the current position.
     fn step(&mut self, token: u32) -> Result<(), EngineError> {
         drv("binding the context", self._ctx.bind_to_thread()).map_err(Self::engine_err)?;
-        if token as usize >= self.vocab {
-            return Err(EngineError::TokenOutOfRange { token, vocab: self.vocab });
+        if token as usize >= self.spec.vocab {
+            return Err(EngineError::TokenOutOfRange { token, vocab: self.spec.vocab });
         }
         if self.pos >= self.layout.ctx {
             return Err(EngineError::ContextFull { pos: self.pos, max_seq: self.layout.ctx });
@@ -481,7 +481,7 @@ impl CudaEngine {
     }
 
     fn read_logits(&self) -> Result<Vec<f32>, EngineError> {
-        let mut out = vec![0f32; self.vocab];
+        let mut out = vec![0f32; self.spec.vocab];
         let cs = self.stream.cu_stream();
         drv("reading logits", unsafe { cu::memcpy_dtoh_async(&mut out, self.buf(Buf::Logits), cs) }).map_err(Self::engine_err)?;
         drv("synchronizing", unsafe { cu::stream::synchronize(cs) }).map_err(Self::engine_err)?;
