@@ -3,6 +3,7 @@
 # bf16 -> (PEER=1) the HF peer, eager and compiled, on the same shapes in the same run.
 # Writes JSON lines under $OUT; bench/collect.py turns them into bench/results/h200.jsonl rows.
 #   MODELS="smollm2-135m llama3.2-1b smollm3-3b" PEER=1 bash bench/h200.sh
+# FIDELITY=0 skips the HF comparison; BENCH_ARGS go to the timed `thin bench` (e.g. --profile).
 set -uo pipefail
 OUT=${OUT:-/tmp/thin-out}
 mkdir -p "$OUT"
@@ -21,10 +22,8 @@ for m in $MODELS; do
   "$BIN" convert "$W/hf/$m" -o "$W/$m.thin" --profile bf16 --quiet || { echo "{\"model\":\"$m\",\"error\":\"convert\"}" | tee -a "$OUT/thin.jsonl"; continue; }
   # First start compiles the kernels into the cache; the timed run below starts warm.
   "$BIN" bench "$W/$m.thin" --json --steps 20 --reps 1 --pp 16 --tg 16 >> "$OUT/cold.jsonl" 2>> "$OUT/cold.err" || tail -3 "$OUT/cold.err"
-  "$BIN" bench "$W/$m.thin" --json | tee -a "$OUT/thin.jsonl"
-  # A/B: the same step without programmatic dependent launch.
-  THIN_NO_PDL=1 "$BIN" bench "$W/$m.thin" --json --reps 1 >> "$OUT/nopdl.jsonl"
-  python3 bench/fidelity.py "$W/hf/$m" "$BIN" "$W/$m.thin" "$m" ${FIDELITY_ARGS:-} 2>&1 | grep -v Warning | tee -a "$OUT/fidelity.jsonl"
+  "$BIN" bench "$W/$m.thin" --json ${BENCH_ARGS:-} | tee -a "$OUT/thin.jsonl"
+  [ "${FIDELITY:-1}" = 1 ] && python3 bench/fidelity.py "$W/hf/$m" "$BIN" "$W/$m.thin" "$m" ${FIDELITY_ARGS:-} 2>&1 | grep -v Warning | tee -a "$OUT/fidelity.jsonl"
 done
 if [ "${PEER:-0}" = 1 ]; then
   python3 bench/hf_peer.py eager $MODELS 2>&1 | grep '^{' | tee "$OUT/peer_eager.jsonl"

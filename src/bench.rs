@@ -23,6 +23,10 @@ pub trait BenchEngine: Engine {
     fn load_stats(&self) -> serde_json::Value {
         serde_json::Value::Null
     }
+    /// Per-kernel device times of the decode step (`thin bench --profile`).
+    fn profile(&mut self, _reps: usize) -> anyhow::Result<serde_json::Value> {
+        bail!("this backend has no kernel profile")
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -35,6 +39,11 @@ impl BenchEngine for thin_core::cuda::runtime::CudaEngine {
     }
     fn load_stats(&self) -> serde_json::Value {
         serde_json::to_value(&self.stats).unwrap_or_default()
+    }
+    fn profile(&mut self, reps: usize) -> anyhow::Result<serde_json::Value> {
+        let rows = thin_core::cuda::runtime::CudaEngine::profile(self, reps)?;
+        self.reset();
+        Ok(serde_json::to_value(rows)?)
     }
 }
 
@@ -93,6 +102,7 @@ pub struct BenchOptions {
     pub tg: usize,
     pub reps: usize,
     pub json: bool,
+    pub profile: bool,
 }
 
 /// Prompt ids for a pp run: deterministic, spread over the vocabulary, no special meaning.
@@ -124,6 +134,8 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
         next = e.greedy(next)?;
     }
     let decode_tok_s = opts.steps as f64 / t.elapsed().as_secs_f64();
+    // At the reference method's position (a short cache), before pp/tg reset it.
+    let kernels = if opts.profile { Some(BenchEngine::profile(&mut e, 50)?) } else { None };
 
     // (b) llama-bench style: pp (prompt of `pp` tokens from an empty cache) and tg (greedy tokens
     // after a one-token prompt), each repeated.
@@ -162,6 +174,7 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
         "peak_gib": peak,
         "cold_start_to_first_token_s": first_token_s,
         "load": e.load_stats(),
+        "kernels": kernels,
     });
     if opts.json {
         println!("{rec}");
@@ -173,6 +186,15 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
         println!("| {} {} | tg{} | {:.1} ± {:.1} |", name, profile, opts.tg, tg_m, tg_sd);
         if let Some(p) = peak {
             println!("device memory held: {p:.3} GiB; cold start to first token {first_token_s:.2} s");
+        }
+        if let Some(rows) = kernels.as_ref().and_then(|p| p.as_array()) {
+            println!("| kernel | launches/step | µs/launch | µs/step | weight GB/s |");
+            println!("|---|---|---|---|---|");
+            for r in rows {
+                let (n, us) = (r["launches"].as_u64().unwrap_or(0), r["us_per_launch"].as_f64().unwrap_or(0.0));
+                let per_step = if r["kernel"] == "step" { us } else { us * n as f64 };
+                println!("| {} | {} | {:.2} | {:.1} | {:.0} |", r["kernel"].as_str().unwrap_or("?"), n, us, per_step, r["weight_gb_s"].as_f64().unwrap_or(0.0));
+            }
         }
     }
     Ok(())

@@ -80,6 +80,10 @@ enum Command {
         /// One JSON object instead of the table.
         #[arg(long)]
         json: bool,
+        /// Also time each decode kernel on its own (all its launches of a step, replayed in step
+        /// order), with the weight bandwidth it reaches.
+        #[arg(long)]
+        profile: bool,
     },
     /// Teacher-forced logits of the GPU engine over given ids, as raw f32 rows (for fidelity checks).
     Logits {
@@ -140,8 +144,8 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Bench { file, ctx, warmup, steps, pp, tg, reps, json } => {
-            bench::bench(&file, &bench::BenchOptions { ctx, warmup, steps, pp, tg, reps, json })
+        Command::Bench { file, ctx, warmup, steps, pp, tg, reps, json, profile } => {
+            bench::bench(&file, &bench::BenchOptions { ctx, warmup, steps, pp, tg, reps, json, profile })
         }
         Command::Logits { file, ids, prompt_len, out, ctx, cpu } => bench::logits(&file, &ids, prompt_len, &out, ctx, cpu),
         Command::Verify { file } => {

@@ -13,8 +13,11 @@ pub const MATVEC_WARPS: u32 = 8;
 pub const ATTN_WARPS: u32 = 4;
 /// KV-cache rows per attention block (flash-decoding split).
 pub const ATTN_CHUNK: usize = 64;
-/// Matvec grids stop growing at this many blocks per multiprocessor; warps then stride over rows.
-pub const MATVEC_BLOCKS_PER_SM: u32 = 8;
+/// Matvec grids stop growing at this many blocks per multiprocessor (what their `__launch_bounds__`
+/// keeps resident); blocks then stride over the rows.
+pub const MATVEC_BLOCKS_PER_SM: u32 = 4;
+/// No matvec grid is larger (the LM head's per-block argmax candidates are sized by it).
+pub const MATVEC_MAX_BLOCKS: u32 = 4096;
 /// Byte alignment of every region in the device arenas (16-byte vector loads need 16; 256 matches cudaMalloc).
 pub const ALIGN: usize = 256;
 
@@ -112,12 +115,18 @@ pub enum Buf {
     PAct,
     /// Prefill token ids (i32).
     PToks,
+    /// Per head, the attention blocks of the current layer done so far (i32; the last resets it).
+    AttnCount,
+    /// The LM head's best (logit, index as f32 bits) per block, `[MATVEC_MAX_BLOCKS, 2]`.
+    ArgPart,
 }
 
 /// Offsets of every buffer in one device arena.
 #[derive(Debug, Clone)]
 pub struct Layout {
     pub ctx: usize,
+    /// Bytes per weight element (2: bf16, 4: f32); the matvec grids depend on it.
+    pub wbytes: usize,
     pub splits: usize,
     /// Most prompt tokens one prefill pass takes (longer prompts go in chunks).
     pub prefill_rows: usize,
@@ -149,6 +158,8 @@ impl Layout {
             (Buf::Part, a.heads * splits * (a.head_dim + 2) * 4),
             (Buf::Tok, 4),
             (Buf::Pos, 4),
+            (Buf::AttnCount, a.heads * 4),
+            (Buf::ArgPart, MATVEC_MAX_BLOCKS as usize * 8),
         ];
         let r = prefill_rows.max(1);
         sizes.extend([
@@ -179,7 +190,7 @@ impl Layout {
             regions.insert(b, (off, n));
             off += align(n);
         }
-        Ok(Layout { ctx, splits, prefill_rows: r, total_bytes: off, regions })
+        Ok(Layout { ctx, wbytes, splits, prefill_rows: r, total_bytes: off, regions })
     }
 
     /// (offset, bytes) of a buffer; `None` if this arch does not use it.
@@ -236,13 +247,23 @@ pub const KERNELS: &[&str] = &[
     "norm_lm_head",
     "argmax_step",
     "attn_decode",
-    "combine_o_residual",
-    "combine_o_proj",
 ];
 
-fn matvec_grid(rows: usize, sm_count: u32) -> (u32, u32, u32) {
-    let need = rows.div_ceil(MATVEC_WARPS as usize) as u32;
-    (need.min(sm_count.max(1) * MATVEC_BLOCKS_PER_SM).max(1), 1, 1)
+/// Threads that share one output's dot products in the matvec kernels (the template's
+/// `Mv<IN, NR>::T`, `nr` weight rows per output): the fewest of 32, 64, 128, 256 that leave each
+/// thread at most 8 16-byte weight vectors, else 256.
+pub fn matvec_group_threads(in_features: usize, wbytes: usize, nr: usize) -> u32 {
+    let nv = in_features * wbytes / 16;
+    [32u32, 64, 128].into_iter().find(|&t| nr * nv.div_ceil(t as usize) <= 8).unwrap_or(256)
+}
+
+/// Grid of a matvec over `rows` outputs of `nr` weight rows of `in_features`: enough blocks for
+/// every output group (a block takes 256 / group-threads at a time), at most MATVEC_BLOCKS_PER_SM
+/// per multiprocessor.
+pub fn matvec_grid(in_features: usize, rows: usize, nr: usize, wbytes: usize, sm_count: u32) -> (u32, u32, u32) {
+    let per_block = (MATVEC_WARPS * 32 / matvec_group_threads(in_features, wbytes, nr)) as usize;
+    let need = rows.div_ceil(per_block) as u32;
+    (need.min(sm_count.max(1) * MATVEC_BLOCKS_PER_SM).min(MATVEC_MAX_BLOCKS).max(1), 1, 1)
 }
 
 fn check_supported(a: &CudaArch) -> Result<(), PlanError> {
@@ -271,10 +292,10 @@ fn rope_args(a: &CudaArch, spec: &LayerSpec, l: usize) -> [Arg; 5] {
 /// How many kernels a decode step is cut into.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fusion {
-    /// Five kernels a layer: norm+QKV; QK-norm+RoPE+KV write+split attention; attention combine
-    /// + O projection + residual; norm+gate/up+activation; down + residual.
+    /// Five kernels a layer: norm+QKV; QK-norm+RoPE+KV write+split attention+combine (the last
+    /// block of a head merges); O projection + residual; norm+gate/up+activation; down + residual.
     Fused,
-    /// Seven: QK-norm/RoPE/KV write and the attention combine as kernels of their own (the
+    /// Seven: QK-norm/RoPE/KV write, split attention and combine as kernels of their own (the
     /// pieces prefill also uses); kept to measure what the fusion buys and to bisect.
     Unfused,
 }
@@ -284,7 +305,7 @@ pub enum Fusion {
 pub fn decode_launches(a: &CudaArch, layout: &Layout, sm_count: u32, fusion: Fusion) -> Result<Vec<Launch>, PlanError> {
     check_supported(a)?;
     let (q, kv) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
-    let mv = |rows| matvec_grid(rows, sm_count);
+    let mv = |inf, rows| matvec_grid(inf, rows, 1, layout.wbytes, sm_count);
     let block = MATVEC_WARPS * 32;
     let mut out = vec![Launch {
         kernel: "embed",
@@ -297,13 +318,13 @@ pub fn decode_launches(a: &CudaArch, layout: &Layout, sm_count: u32, fusion: Fus
         let w = |r| Arg::Weight(r, li);
         out.push(Launch {
             kernel: "norm_qkv",
-            grid: mv(q + 2 * kv),
+            grid: mv(a.hidden, q + 2 * kv),
             block,
             args: vec![Arg::Buf(Buf::X), w(Role::AttnNorm), w(Role::AttnQ), w(Role::AttnK), w(Role::AttnV), Arg::Buf(Buf::Qkv)],
         });
-        let [qn, kn, cos, sin, use_rope] = rope_args(a, spec, l);
-        let window = Arg::I32(spec.window.map_or(0, |x| x as i32));
         if fusion == Fusion::Fused {
+            let [qn, kn, cos, sin, use_rope] = rope_args(a, spec, l);
+            let window = Arg::I32(spec.window.map_or(0, |x| x as i32));
             out.push(Launch {
                 kernel: "attn_decode",
                 grid: (a.heads as u32, layout.splits as u32, 1),
@@ -320,61 +341,69 @@ pub fn decode_launches(a: &CudaArch, layout: &Layout, sm_count: u32, fusion: Fus
                     use_rope,
                     window,
                     Arg::Buf(Buf::Part),
+                    Arg::Buf(Buf::AttnCount),
+                    Arg::Buf(Buf::Att),
                 ],
             });
-            let parts = [Arg::Buf(Buf::Part), Arg::I32(layout.splits as i32), Arg::Buf(Buf::Pos), w(Role::AttnO)];
-            if a.sandwich {
-                out.push(Launch { kernel: "combine_o_proj", grid: mv(a.hidden), block, args: [&parts[..], &[Arg::Buf(Buf::O)]].concat() });
-                out.push(Launch { kernel: "norm_residual", grid: (1, 1, 1), block: 256, args: vec![Arg::Buf(Buf::O), w(Role::AttnPostNorm), Arg::Buf(Buf::X)] });
-            } else {
-                out.push(Launch { kernel: "combine_o_residual", grid: mv(a.hidden), block, args: [&parts[..], &[Arg::Buf(Buf::X)]].concat() });
-            }
-            mlp_launches(a, l, sm_count, &mut out);
-            continue;
+        } else {
+            unfused_attention(a, layout, l, &mut out);
         }
-        out.push(Launch {
-            kernel: "qk_rope_kv",
-            grid: (1, 1, 1),
-            block: 256,
-            args: vec![Arg::Buf(Buf::Qkv), qn, kn, cos, sin, Arg::Buf(Buf::Pos), Arg::Buf(Buf::KCache(l)), Arg::Buf(Buf::VCache(l)), use_rope],
-        });
-        out.push(Launch {
-            kernel: "attn_partial",
-            grid: (a.heads as u32, layout.splits as u32, 1),
-            block: ATTN_WARPS * 32,
-            args: vec![
-                Arg::Buf(Buf::Qkv),
-                Arg::Buf(Buf::KCache(l)),
-                Arg::Buf(Buf::VCache(l)),
-                Arg::Buf(Buf::Pos),
-                window,
-                Arg::I32(ATTN_CHUNK as i32),
-                Arg::Buf(Buf::Part),
-            ],
-        });
-        out.push(Launch {
-            kernel: "attn_combine",
-            grid: (a.heads as u32, 1, 1),
-            block: a.head_dim as u32,
-            args: vec![Arg::Buf(Buf::Part), Arg::I32(layout.splits as i32), Arg::Buf(Buf::Att)],
-        });
         if a.sandwich {
-            out.push(Launch { kernel: "o_proj", grid: mv(a.hidden), block, args: vec![Arg::Buf(Buf::Att), w(Role::AttnO), Arg::Buf(Buf::O)] });
+            out.push(Launch { kernel: "o_proj", grid: mv(q, a.hidden), block, args: vec![Arg::Buf(Buf::Att), w(Role::AttnO), Arg::Buf(Buf::O)] });
             out.push(Launch { kernel: "norm_residual", grid: (1, 1, 1), block: 256, args: vec![Arg::Buf(Buf::O), w(Role::AttnPostNorm), Arg::Buf(Buf::X)] });
         } else {
-            out.push(Launch { kernel: "o_residual", grid: mv(a.hidden), block, args: vec![Arg::Buf(Buf::Att), w(Role::AttnO), Arg::Buf(Buf::X)] });
+            out.push(Launch { kernel: "o_residual", grid: mv(q, a.hidden), block, args: vec![Arg::Buf(Buf::Att), w(Role::AttnO), Arg::Buf(Buf::X)] });
         }
-        mlp_launches(a, l, sm_count, &mut out);
+        mlp_launches(a, layout, l, sm_count, &mut out);
     }
     let head = if a.tied_embeddings { Role::TokenEmbd } else { Role::LmHead };
+    let head_grid = mv(a.hidden, a.vocab);
     out.push(Launch {
         kernel: "norm_lm_head",
-        grid: mv(a.vocab),
+        grid: head_grid,
         block,
-        args: vec![Arg::Buf(Buf::X), Arg::Weight(Role::OutputNorm, None), Arg::Weight(head, None), Arg::Buf(Buf::Logits)],
+        args: vec![Arg::Buf(Buf::X), Arg::Weight(Role::OutputNorm, None), Arg::Weight(head, None), Arg::Buf(Buf::Logits), Arg::Buf(Buf::ArgPart)],
     });
-    out.push(Launch { kernel: "argmax_step", grid: (1, 1, 1), block: 1024, args: vec![Arg::Buf(Buf::Logits), Arg::Buf(Buf::Tok), Arg::Buf(Buf::Pos)] });
+    out.push(Launch {
+        kernel: "argmax_step",
+        grid: (1, 1, 1),
+        block: 1024,
+        args: vec![Arg::Buf(Buf::ArgPart), Arg::I32(head_grid.0 as i32), Arg::Buf(Buf::Tok), Arg::Buf(Buf::Pos)],
+    });
     Ok(out)
+}
+
+/// The unfused decode attention of layer `l`: QK-norm/RoPE/KV write, split attention, combine into `Att`.
+fn unfused_attention(a: &CudaArch, layout: &Layout, l: usize, out: &mut Vec<Launch>) {
+    let spec = &a.layers[l];
+    let [qn, kn, cos, sin, use_rope] = rope_args(a, spec, l);
+    let window = Arg::I32(spec.window.map_or(0, |x| x as i32));
+    out.push(Launch {
+        kernel: "qk_rope_kv",
+        grid: (1, 1, 1),
+        block: 256,
+        args: vec![Arg::Buf(Buf::Qkv), qn, kn, cos, sin, Arg::Buf(Buf::Pos), Arg::Buf(Buf::KCache(l)), Arg::Buf(Buf::VCache(l)), use_rope],
+    });
+    out.push(Launch {
+        kernel: "attn_partial",
+        grid: (a.heads as u32, layout.splits as u32, 1),
+        block: ATTN_WARPS * 32,
+        args: vec![
+            Arg::Buf(Buf::Qkv),
+            Arg::Buf(Buf::KCache(l)),
+            Arg::Buf(Buf::VCache(l)),
+            Arg::Buf(Buf::Pos),
+            window,
+            Arg::I32(ATTN_CHUNK as i32),
+            Arg::Buf(Buf::Part),
+        ],
+    });
+    out.push(Launch {
+        kernel: "attn_combine",
+        grid: (a.heads as u32, 1, 1),
+        block: a.head_dim as u32,
+        args: vec![Arg::Buf(Buf::Part), Arg::I32(layout.splits as i32), Arg::Buf(Buf::Att)],
+    });
 }
 
 /// `out[:, col..col + n] (+)= input · W^T` over `rows` rows: a cuBLAS GEMM of prefill, weights
@@ -463,16 +492,16 @@ pub fn prefill_steps(a: &CudaArch, layout: &Layout, rows: usize) -> Result<Vec<S
 }
 
 /// norm + gate/up + activation, then down + residual (through the post-norm on sandwich archs).
-fn mlp_launches(a: &CudaArch, l: usize, sm_count: u32, out: &mut Vec<Launch>) {
+fn mlp_launches(a: &CudaArch, layout: &Layout, l: usize, sm_count: u32, out: &mut Vec<Launch>) {
     let w = |r| Arg::Weight(r, Some(l as u32));
     let block = MATVEC_WARPS * 32;
     out.push(Launch {
         kernel: "norm_gateup",
-        grid: matvec_grid(a.ffn, sm_count),
+        grid: matvec_grid(a.hidden, a.ffn, 2, layout.wbytes, sm_count),
         block,
         args: vec![Arg::Buf(Buf::X), w(Role::FfnNorm), w(Role::FfnGate), w(Role::FfnUp), Arg::Buf(Buf::Act)],
     });
-    let grid = matvec_grid(a.hidden, sm_count);
+    let grid = matvec_grid(a.ffn, a.hidden, 1, layout.wbytes, sm_count);
     if a.sandwich {
         out.push(Launch { kernel: "down_proj", grid, block, args: vec![Arg::Buf(Buf::Act), w(Role::FfnDown), Arg::Buf(Buf::O)] });
         out.push(Launch { kernel: "norm_residual", grid: (1, 1, 1), block: 256, args: vec![Arg::Buf(Buf::O), w(Role::FfnPostNorm), Arg::Buf(Buf::X)] });
@@ -631,9 +660,21 @@ mod tests {
 
     #[test]
     fn matvec_grid_caps_at_the_machine() {
-        assert_eq!(matvec_grid(960, 132), (120, 1, 1));
-        assert_eq!(matvec_grid(49152, 132), (132 * MATVEC_BLOCKS_PER_SM, 1, 1));
-        assert_eq!(matvec_grid(1, 132), (1, 1, 1));
+        // bf16 rows of 2048: a warp per row, 8 rows a block.
+        assert_eq!(matvec_group_threads(2048, 2, 1), 32);
+        assert_eq!(matvec_grid(2048, 960, 1, 2, 132), (120, 1, 1));
+        assert_eq!(matvec_grid(2048, 128256, 1, 2, 132), (132 * MATVEC_BLOCKS_PER_SM, 1, 1));
+        assert_eq!(matvec_grid(2048, 1, 1, 2, 132), (1, 1, 1));
+        // Gate and up rows together: two warps an output.
+        assert_eq!(matvec_group_threads(2048, 2, 2), 64);
+        // Long rows share a row over more threads: fewer rows a block, more blocks.
+        assert_eq!(matvec_group_threads(11008, 2, 1), 256);
+        assert_eq!(matvec_group_threads(8192, 2, 1), 128);
+        assert_eq!(matvec_group_threads(2048, 4, 1), 64);
+        assert_eq!(matvec_group_threads(576, 2, 1), 32);
+        assert_eq!(matvec_grid(11008, 300, 1, 2, 132), (300, 1, 1));
+        assert_eq!(matvec_grid(8192, 300, 1, 2, 132), (150, 1, 1));
+        assert_eq!(matvec_grid(2048, 1 << 30, 1, 2, 100_000).0, MATVEC_MAX_BLOCKS);
     }
 
     #[test]

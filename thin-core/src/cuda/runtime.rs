@@ -161,6 +161,39 @@ enum ParamValue {
     I32(i32),
 }
 
+/// Where an engine's weights come from: an archive, or (kernel tests) values the caller made up.
+pub trait WeightSource {
+    /// The storage type of a tensor, `None` if absent.
+    fn dtype(&self, role: Role, layer: Option<u32>) -> Option<DType>;
+    /// The tensor's bytes as stored (little-endian, row-major).
+    fn bytes(&self, role: Role, layer: Option<u32>) -> Result<std::borrow::Cow<'_, [u8]>, String>;
+}
+
+impl WeightSource for Archive {
+    fn dtype(&self, role: Role, layer: Option<u32>) -> Option<DType> {
+        self.manifest().tensor(role, layer).map(|t| t.dtype)
+    }
+    fn bytes(&self, role: Role, layer: Option<u32>) -> Result<std::borrow::Cow<'_, [u8]>, String> {
+        let e = self.manifest().tensor(role, layer).ok_or("missing from the archive")?;
+        self.tensor_bytes(e).map(std::borrow::Cow::Borrowed).map_err(|e| e.to_string())
+    }
+}
+
+/// Device time of one kernel of the decode step, from [`CudaEngine::profile`].
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct KernelTime {
+    pub kernel: &'static str,
+    /// Launches of this kernel in one decode step.
+    pub launches: usize,
+    /// Mean device time per launch, replayed back to back in step order (so each launch reads
+    /// its own weights from HBM, as in the step).
+    pub us_per_launch: f64,
+    /// Weight bytes all its launches read per step.
+    pub weight_bytes: usize,
+    /// weight_bytes over the time of all its launches.
+    pub weight_gb_s: f64,
+}
+
 /// Prompt tokens one batched prefill pass takes; longer prompts go in chunks of this many.
 pub const PREFILL_ROWS: usize = 512;
 
@@ -173,7 +206,8 @@ pub struct CudaEngine {
     graph: cusys::CUgraphExec,
     graph_def: cusys::CUgraph,
     weights: DeviceBuffer,
-    offsets: std::collections::BTreeMap<(Role, Option<u32>), usize>,
+    /// (offset, bytes) of every uploaded weight in `weights`.
+    offsets: std::collections::BTreeMap<(Role, Option<u32>), (usize, usize)>,
     funcs: std::collections::BTreeMap<&'static str, cusys::CUfunction>,
     launches: Vec<Launch>,
     spec: CudaArch,
@@ -200,6 +234,11 @@ impl CudaEngine {
                 archive_fp: m.shape_fingerprint.clone(),
             });
         }
+        Self::with_weights(archive, arch, ctx, progress)
+    }
+
+    /// Bring `arch` up on GPU 0 with weights from `src` (which must hold `arch`'s shapes).
+    pub fn with_weights(src: &dyn WeightSource, arch: &CudaArch, ctx: usize, progress: bool) -> Result<Self, CudaError> {
         if !unsafe { cusys::is_culib_present() } {
             return Err(CudaError::NoDriver);
         }
@@ -215,7 +254,7 @@ impl CudaEngine {
         let sm_count = drv("reading the multiprocessor count", cuda_ctx.attribute(cusys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT))? as u32;
 
         // Weights: one dtype for the whole archive picks the kernel instance.
-        let dtype = m.tensor(Role::TokenEmbd, None).map(|t| t.dtype).ok_or(CudaError::Weight { role: Role::TokenEmbd, layer: None, msg: "missing".into() })?;
+        let dtype = src.dtype(Role::TokenEmbd, None).ok_or(CudaError::Weight { role: Role::TokenEmbd, layer: None, msg: "missing".into() })?;
         let wbytes = if dtype == DType::Bf16 { 2 } else { 4 };
         let layout = Layout::new(arch, ctx, PREFILL_ROWS.min(ctx), wbytes)?;
         // THIN_UNFUSED=1 runs the seven-kernel layer instead (A/B timing, bisecting).
@@ -249,18 +288,19 @@ impl CudaEngine {
         let t = Instant::now();
         let mut offsets = std::collections::BTreeMap::new();
         let mut total = 0usize;
-        let mut sources: Vec<(&[u8], usize)> = Vec::new();
+        let mut sources = Vec::new();
         for &(role, layer) in &used {
-            let e = m.tensor(role, layer).ok_or(CudaError::Weight { role, layer, msg: "missing from the archive".into() })?;
+            let have = src.dtype(role, layer).ok_or(CudaError::Weight { role, layer, msg: "missing".into() })?;
             // Norm vectors are f32 in every profile; matrices share the embedding's type.
             let want = if role.is_norm() { DType::F32 } else { dtype };
-            if e.dtype != want {
-                return Err(CudaError::Weight { role, layer, msg: format!("stored as {:?}; the kernels read it as {want:?}", e.dtype) });
+            if have != want {
+                return Err(CudaError::Weight { role, layer, msg: format!("stored as {have:?}; the kernels read it as {want:?}") });
             }
-            let bytes = archive.tensor_bytes(e).map_err(|err| CudaError::Weight { role, layer, msg: err.to_string() })?;
-            offsets.insert((role, layer), total);
+            let bytes = src.bytes(role, layer).map_err(|msg| CudaError::Weight { role, layer, msg })?;
+            let n = bytes.len();
+            offsets.insert((role, layer), (total, n));
             sources.push((bytes, total));
-            total += bytes.len().div_ceil(plan::ALIGN) * plan::ALIGN;
+            total += n.div_ceil(plan::ALIGN) * plan::ALIGN;
         }
         let weights = DeviceBuffer::new(total, false, "allocating weights")?;
         let bar = if progress {
@@ -273,7 +313,7 @@ impl CudaEngine {
             None
         };
         for (bytes, off) in sources {
-            drv("uploading weights", unsafe { cu::memcpy_htod_sync(weights.ptr + off as u64, bytes) })?;
+            drv("uploading weights", unsafe { cu::memcpy_htod_sync(weights.ptr + off as u64, &bytes[..]) })?;
             if let Some(b) = &bar {
                 b.inc(bytes.len() as u64);
             }
@@ -360,7 +400,7 @@ impl CudaEngine {
 
     fn weight(&self, r: Role, l: Option<u32>) -> Result<u64, CudaError> {
         let off = self.offsets.get(&(r, l)).ok_or(CudaError::Weight { role: r, layer: l, msg: "not uploaded".into() })?;
-        Ok(self.weights.ptr + *off as u64)
+        Ok(self.weights.ptr + off.0 as u64)
     }
 
     fn launch(&self, l: &Launch) -> Result<(), CudaError> {
@@ -502,6 +542,136 @@ impl CudaEngine {
     /// Bytes this engine holds on the device (weights + activations + KV cache).
     pub fn device_bytes(&self) -> usize {
         self.stats.weight_bytes + self.arena.bytes
+    }
+}
+
+/// Kernel-level access, for the kernel tests (each kernel against the CPU reference on random
+/// inputs) and `thin bench --profile`.
+impl CudaEngine {
+    /// The decode step's launches, in order.
+    pub fn launches(&self) -> &[Launch] {
+        &self.launches
+    }
+
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Write `data` at the start of buffer `b` (it must fit).
+    pub fn write_buf(&self, b: Buf, data: &[u8]) -> Result<(), CudaError> {
+        let (_, n) = self.layout.get(b).ok_or(CudaError::Driver { what: "writing a buffer", err: format!("{b:?} is not in this layout") })?;
+        if data.len() > n {
+            return Err(CudaError::Driver { what: "writing a buffer", err: format!("{} bytes into {b:?} of {n}", data.len()) });
+        }
+        drv("binding the context", self._ctx.bind_to_thread())?;
+        drv("writing a buffer", unsafe { cu::memcpy_htod_sync(self.buf(b), data) })
+    }
+
+    /// The whole of buffer `b`.
+    pub fn read_buf(&self, b: Buf) -> Result<Vec<u8>, CudaError> {
+        let (_, n) = self.layout.get(b).ok_or(CudaError::Driver { what: "reading a buffer", err: format!("{b:?} is not in this layout") })?;
+        let mut out = vec![0u8; n];
+        drv("binding the context", self._ctx.bind_to_thread())?;
+        drv("synchronizing", unsafe { cu::stream::synchronize(self.stream.cu_stream()) })?;
+        drv("reading a buffer", unsafe { cu::memcpy_dtoh_sync(&mut out, self.buf(b)) })?;
+        Ok(out)
+    }
+
+    /// Run one decode or prefill step (a kernel or a GEMM over `rows` rows) outside any graph and wait for it.
+    pub fn run_step(&self, step: &Step, rows: usize) -> Result<(), CudaError> {
+        drv("binding the context", self._ctx.bind_to_thread())?;
+        match step {
+            Step::Kernel(l) => self.launch(l)?,
+            Step::Gemm(g) => {
+                let h = self.blas.ok_or(CudaError::Driver { what: "running a GEMM", err: "no cuBLAS on this machine".into() })?;
+                self.gemm(h, g, rows)?
+            }
+        }
+        drv("synchronizing", unsafe { cu::stream::synchronize(self.stream.cu_stream()) })
+    }
+
+    /// Device time of `launches` captured into one graph, replayed `reps` times (after 3 warm-up replays).
+    fn time_graph(&self, launches: &[&Launch], reps: usize) -> Result<f64, CudaError> {
+        let cs = self.stream.cu_stream();
+        drv("starting graph capture", unsafe { cu::stream::begin_capture(cs, cusys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) })?;
+        let launched: Result<(), CudaError> = launches.iter().try_for_each(|l| self.launch(l));
+        let g = drv("ending graph capture", unsafe { cu::stream::end_capture(cs) })?;
+        let result = launched.and_then(|()| {
+            let exec = drv("instantiating a profile graph", unsafe { cu::graph::instantiate(g, cusys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH) })?;
+            let timed = (|| {
+                let (a, b) = (
+                    drv("creating an event", cu::event::create(cusys::CUevent_flags::CU_EVENT_DEFAULT))?,
+                    drv("creating an event", cu::event::create(cusys::CUevent_flags::CU_EVENT_DEFAULT))?,
+                );
+                let r = (|| unsafe {
+                    for _ in 0..3 {
+                        drv("replaying", cu::graph::launch(exec, cs))?;
+                    }
+                    drv("recording an event", cu::event::record(a, cs))?;
+                    for _ in 0..reps {
+                        drv("replaying", cu::graph::launch(exec, cs))?;
+                    }
+                    drv("recording an event", cu::event::record(b, cs))?;
+                    drv("synchronizing", cu::stream::synchronize(cs))?;
+                    drv("reading an event", cu::event::elapsed(a, b))
+                })();
+                unsafe {
+                    let _ = cu::event::destroy(a);
+                    let _ = cu::event::destroy(b);
+                }
+                r
+            })();
+            unsafe {
+                let _ = cu::graph::exec_destroy(exec);
+            }
+            timed
+        });
+        unsafe {
+            let _ = cu::graph::destroy(g);
+        }
+        Ok(result? as f64 * 1e3 / reps as f64)
+    }
+
+    /// Per-kernel device time of the decode step: each kernel's launches (every layer's, in step
+    /// order) captured alone into a graph and replayed, so a launch pays its own weight traffic
+    /// and the gap to the next launch, as in the step. The last row is the whole step, timed the
+    /// same way. Leaves the KV cache and position changed: call `reset` before generating.
+    pub fn profile(&mut self, reps: usize) -> Result<Vec<KernelTime>, CudaError> {
+        drv("binding the context", self._ctx.bind_to_thread())?;
+        let reps = reps.max(1);
+        let pos = self.pos.min(self.layout.ctx.saturating_sub(4 * reps + 16));
+        let mut names: Vec<&'static str> = Vec::new();
+        for l in &self.launches {
+            if !names.contains(&l.kernel) {
+                names.push(l.kernel);
+            }
+        }
+        // Weight bytes a launch reads: whole tensors, but one row of the embedding table.
+        let row = self.spec.hidden * self.layout.wbytes;
+        let wbytes = |ls: &[&Launch]| -> usize {
+            ls.iter()
+                .flat_map(|l| l.args.iter().map(move |a| (l.kernel, a)))
+                .filter_map(|(k, a)| match a {
+                    Arg::Weight(..) if k == "embed" => Some(row),
+                    Arg::Weight(r, l) => self.offsets.get(&(*r, *l)).map(|x| x.1),
+                    _ => None,
+                })
+                .sum()
+        };
+        let mut out = Vec::new();
+        let mut rows: Vec<(&'static str, Vec<&Launch>)> = names.iter().map(|&n| (n, self.launches.iter().filter(|l| l.kernel == n).collect())).collect();
+        rows.push(("step", self.launches.iter().collect()));
+        for (name, ls) in rows {
+            // Every timing starts from the same position, so attention reads the same cache span
+            // (argmax_step advances it by one per replay).
+            self.set_pos(pos).map_err(|e| CudaError::Driver { what: "profiling", err: e.to_string() })?;
+            let us = self.time_graph(&ls, reps)?;
+            let n = if name == "step" { 1 } else { ls.len() };
+            let bytes = wbytes(&ls);
+            out.push(KernelTime { kernel: name, launches: ls.len(), us_per_launch: us / n as f64, weight_bytes: bytes, weight_gb_s: bytes as f64 / (us * 1e3) });
+        }
+        self.set_pos(self.pos).map_err(|e| CudaError::Driver { what: "profiling", err: e.to_string() })?;
+        Ok(out)
     }
 }
 
