@@ -17,6 +17,12 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
 done
 export LD_LIBRARY_PATH
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+# The kernel tests (tests/cuda_kernels.rs, every kernel against the CPU ops on random inputs), if
+# their binary was built here and carried: cargo test --release --features cuda,<archs> --test cuda_kernels --no-run
+if [ -x "${KERNEL_TESTS:-.bin/cuda_kernels}" ]; then
+  THIN_KERNEL_REPORT="$OUT/kernels.jsonl" "${KERNEL_TESTS:-.bin/cuda_kernels}" --test-threads=1 > "$OUT/kernels.txt" 2>&1
+  echo "kernel tests: rc=$? $(grep -c '"pass":true' "$OUT/kernels.jsonl" 2>/dev/null) passed, $(grep -c '"pass":false' "$OUT/kernels.jsonl" 2>/dev/null) failed"
+fi
 python3 bench/make_models.py "$W/hf" $MODELS 2>&1 | grep -v Warning
 for m in $MODELS; do
   "$BIN" convert "$W/hf/$m" -o "$W/$m.thin" --profile bf16 --quiet || { echo "{\"model\":\"$m\",\"error\":\"convert\"}" | tee -a "$OUT/thin.jsonl"; continue; }
