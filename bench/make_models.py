@@ -9,7 +9,7 @@ import json, os, sys
 
 import torch
 import transformers
-from transformers import LlamaConfig, SmolLM3Config
+from transformers import Gemma3TextConfig, LlamaConfig, SmolLM3Config
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures"))
 from make_tiny import byte_level_tokenizer  # noqa: E402
@@ -23,6 +23,10 @@ CONFIGS = {
         max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192)),
+    "gemma3-270m": lambda: Gemma3TextConfig(hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144, tie_word_embeddings=True,
+        sliding_window=512, query_pre_attn_scalar=256, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh"),
     "smollm3-3b": lambda: SmolLM3Config(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
         num_attention_heads=16, num_key_value_heads=4, vocab_size=128256, tie_word_embeddings=True,
         max_position_embeddings=65536, rope_theta=5000000.0, rms_norm_eps=1e-6, no_rope_layer_interval=4),
