@@ -20,7 +20,9 @@ def main(out, commit, results="bench/results/h200.jsonl"):
     run_id = f"{date}-{commit[:8]}"
     fid = {}
     for r in lines(os.path.join(out, "fidelity.jsonl")):
-        fid.setdefault(r["model"], []).append(r)
+        # Only the rows against HF bf16: not the GPU-vs-CPU-oracle checks, not the fp32 references.
+        if "check" not in r and "reference" not in r:
+            fid.setdefault(r["model"], []).append(r)
     rows = []
     for r in lines(os.path.join(out, "thin.jsonl")):
         if "error" in r:
