@@ -74,7 +74,9 @@ def scores(ref, ours):
     lp = lambda z: z - z.max(1, keepdims=True) - np.log(np.exp(z - z.max(1, keepdims=True)).sum(1, keepdims=True))
     pr, po = lp(r), lp(o)
     c0 = float((ref[0] * ours[0]).sum() / (np.linalg.norm(ref[0]) * np.linalg.norm(ours[0])))
+    worst = np.argsort(cos)[:5]  # decode rows (0 = the first after the prompt) with the lowest cosine
     return dict(min_cosine=round(float(cos.min()), 6), mean_cosine=round(float(cos.mean()), 6),
+                worst_rows={int(i): round(float(cos[i]), 6) for i in worst},
                 top1_match=round(float((r.argmax(1) == o.argmax(1)).mean()), 4),
                 top5_set=round(float(np.mean([len(set(x) & set(y)) / 5 for x, y in zip(t5r, t5o)])), 4),
                 mean_kl=float((np.exp(pr) * (pr - po)).sum(1).mean()), prefill_row_cosine=round(c0, 6))
