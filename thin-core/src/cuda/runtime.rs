@@ -449,9 +449,9 @@ impl CudaEngine {
         .map_err(|e| CudaError::Driver { what: "running a prefill GEMM", err: format!("{e:?}") })
     }
 
-    fn set_pos(&self, pos: usize) -> Result<(), EngineError> {
+    fn set_pos(&self, pos: usize) -> Result<(), CudaError> {
         let p = [pos as i32];
-        drv("writing the position", unsafe { cu::memcpy_htod_async(self.buf(Buf::Pos), &p, self.stream.cu_stream()) }).map_err(Self::engine_err)
+        drv("writing the position", unsafe { cu::memcpy_htod_async(self.buf(Buf::Pos), &p, self.stream.cu_stream()) })
     }
 
     /// Batched prefill: chunks of up to `prefill_rows` tokens, each one pass of GEMMs; then the
@@ -477,13 +477,13 @@ impl CudaEngine {
                 .map_err(Self::engine_err)?;
             }
             self.pos += chunk.len();
-            self.set_pos(self.pos)?;
+            self.set_pos(self.pos).map_err(Self::engine_err)?;
             last_rows = chunk.len();
         }
         // The last prompt row becomes the decode step's residual; its epilogue runs at pos - 1.
         let row = (last_rows - 1) * self.spec.hidden * 4;
         drv("copying the last row", unsafe { cu::memcpy_dtod_async(self.buf(Buf::X), self.buf(Buf::PX) + row as u64, self.spec.hidden * 4, cs) }).map_err(Self::engine_err)?;
-        self.set_pos(self.pos - 1)?;
+        self.set_pos(self.pos - 1).map_err(Self::engine_err)?;
         let n = self.launches.len();
         for l in &self.launches[n - 2..] {
             self.launch(l).map_err(Self::engine_err)?;
@@ -664,13 +664,13 @@ impl CudaEngine {
         for (name, ls) in rows {
             // Every timing starts from the same position, so attention reads the same cache span
             // (argmax_step advances it by one per replay).
-            self.set_pos(pos).map_err(|e| CudaError::Driver { what: "profiling", err: e.to_string() })?;
+            self.set_pos(pos)?;
             let us = self.time_graph(&ls, reps)?;
             let n = if name == "step" { 1 } else { ls.len() };
             let bytes = wbytes(&ls);
             out.push(KernelTime { kernel: name, launches: ls.len(), us_per_launch: us / n as f64, weight_bytes: bytes, weight_gb_s: bytes as f64 / (us * 1e3) });
         }
-        self.set_pos(self.pos).map_err(|e| CudaError::Driver { what: "profiling", err: e.to_string() })?;
+        self.set_pos(self.pos)?;
         Ok(out)
     }
 }
