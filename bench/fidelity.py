@@ -54,7 +54,10 @@ def main():
                 cc = (cpu * gpu).sum(1) / (np.linalg.norm(cpu, axis=1) * np.linalg.norm(gpu, axis=1))
                 print(json.dumps(dict(model=a.name, check="gpu_vs_cpu_reference", prompt_len=plen, rows=int(cpu.shape[0]),
                                       max_abs_diff=float(np.abs(cpu - gpu).max()), logit_absmax=float(np.abs(cpu).max()),
-                                      min_cosine=round(float(cc.min()), 7), top1_match=float((cpu.argmax(1) == gpu.argmax(1)).mean()))), flush=True)
+                                      min_cosine=round(float(cc.min()), 7), top1_match=float((cpu.argmax(1) == gpu.argmax(1)).mean()),
+                                      # rows counted from the prefill row (0); where the GPU first drifts from the oracle
+                                      first_row_below_0_9999=next((int(i) for i in np.nonzero(cc < 0.9999)[0]), None),
+                                      worst_rows={int(i): round(float(cc[i]), 6) for i in np.argsort(cc)[:5]})), flush=True)
         assert ours.shape == ref.shape, (ours.shape, ref.shape)
         m = scores(ref, ours)
         print(json.dumps(dict(model=a.name, prompt_len=plen, steps=a.steps, **m, hf_logit_std=round(float(ref[1:].std()), 4))), flush=True)

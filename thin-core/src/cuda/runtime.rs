@@ -95,6 +95,8 @@ pub struct LoadStats {
     pub kv_bytes: usize,
     pub launches_per_step: usize,
     pub fused: bool,
+    /// Programmatic dependent launch between the decode graph's kernels (sm_90+; off: THIN_NO_PDL=1).
+    pub pdl: bool,
 }
 
 /// Compile `source` for `target` to a cubin, or read it from the cache.
@@ -260,6 +262,7 @@ impl CudaEngine {
         // THIN_UNFUSED=1 runs the seven-kernel layer instead (A/B timing, bisecting).
         let fusion = if std::env::var_os("THIN_UNFUSED").is_some_and(|v| v == "1") { plan::Fusion::Unfused } else { plan::Fusion::Fused };
         stats.fused = fusion == plan::Fusion::Fused;
+        stats.pdl = major >= 9 && !std::env::var_os("THIN_NO_PDL").is_some_and(|v| v == "1");
         let launches = plan::decode_launches(arch, &layout, sm_count, fusion)?;
         let mut used = plan::weights_used(&launches);
         for step in plan::prefill_steps(arch, &layout, 1)? {
@@ -374,7 +377,7 @@ impl CudaEngine {
         drv("starting graph capture", unsafe { cu::stream::begin_capture(cs, cusys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) })?;
         let mut capture_err = None;
         for l in &self.launches {
-            if let Err(e) = self.launch(l) {
+            if let Err(e) = self.launch(l, self.stats.pdl) {
                 capture_err = Some(e);
                 break;
             }
@@ -403,7 +406,10 @@ impl CudaEngine {
         Ok(self.weights.ptr + off.0 as u64)
     }
 
-    fn launch(&self, l: &Launch) -> Result<(), CudaError> {
+    /// Launch one kernel; with `pdl` (graph capture on sm_90+) as a programmatic dependent launch:
+    /// it may start while the previous kernel drains, and its `pdl_enter()` (every kernel calls it
+    /// before touching activations) waits for that kernel's completion and writes.
+    fn launch(&self, l: &Launch, pdl: bool) -> Result<(), CudaError> {
         let f = *self.funcs.get(l.kernel).ok_or(CudaError::Driver { what: "launching", err: format!("no kernel {}", l.kernel) })?;
         let mut values: Vec<ParamValue> = l.args.iter().map(|a| self.resolve(a)).collect::<Result<_, _>>()?;
         let mut params: Vec<*mut c_void> = values
@@ -413,7 +419,25 @@ impl CudaEngine {
                 ParamValue::I32(i) => i as *mut i32 as *mut c_void,
             })
             .collect();
-        drv("launching a kernel", unsafe { cu::launch_kernel(f, l.grid, (l.block, 1, 1), 0, self.stream.cu_stream(), &mut params) })
+        if !pdl {
+            return drv("launching a kernel", unsafe { cu::launch_kernel(f, l.grid, (l.block, 1, 1), 0, self.stream.cu_stream(), &mut params) });
+        }
+        let mut attr: cusys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = cusys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = cusys::CUlaunchConfig {
+            gridDimX: l.grid.0,
+            gridDimY: l.grid.1,
+            gridDimZ: l.grid.2,
+            blockDimX: l.block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        drv("launching a kernel (programmatic dependent launch)", unsafe { cusys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()) }.result())
     }
 
     /// One prefill GEMM: `out[:, col..col+n] (+)= input · W^T` (row-major), as cuBLAS's
@@ -471,7 +495,7 @@ impl CudaEngine {
             let steps = plan::prefill_steps(&self.spec, &self.layout, chunk.len()).map_err(|e| EngineError::Backend(e.to_string()))?;
             for step in &steps {
                 match step {
-                    Step::Kernel(l) => self.launch(l),
+                    Step::Kernel(l) => self.launch(l, false),
                     Step::Gemm(g) => self.gemm(handle, g, chunk.len()),
                 }
                 .map_err(Self::engine_err)?;
@@ -486,7 +510,7 @@ impl CudaEngine {
         self.set_pos(self.pos - 1).map_err(Self::engine_err)?;
         let n = self.launches.len();
         for l in &self.launches[n - 2..] {
-            self.launch(l).map_err(Self::engine_err)?;
+            self.launch(l, false).map_err(Self::engine_err)?;
         }
         self.device_tok = None;
         self.read_logits()
@@ -581,7 +605,7 @@ impl CudaEngine {
     pub fn run_step(&self, step: &Step, rows: usize) -> Result<(), CudaError> {
         drv("binding the context", self._ctx.bind_to_thread())?;
         match step {
-            Step::Kernel(l) => self.launch(l)?,
+            Step::Kernel(l) => self.launch(l, false)?,
             Step::Gemm(g) => {
                 let h = self.blas.ok_or(CudaError::Driver { what: "running a GEMM", err: "no cuBLAS on this machine".into() })?;
                 self.gemm(h, g, rows)?
@@ -594,7 +618,7 @@ impl CudaEngine {
     fn time_graph(&self, launches: &[&Launch], reps: usize) -> Result<f64, CudaError> {
         let cs = self.stream.cu_stream();
         drv("starting graph capture", unsafe { cu::stream::begin_capture(cs, cusys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) })?;
-        let launched: Result<(), CudaError> = launches.iter().try_for_each(|l| self.launch(l));
+        let launched: Result<(), CudaError> = launches.iter().try_for_each(|l| self.launch(l, self.stats.pdl));
         let g = drv("ending graph capture", unsafe { cu::stream::end_capture(cs) })?;
         let result = launched.and_then(|()| {
             let exec = drv("instantiating a profile graph", unsafe { cu::graph::instantiate(g, cusys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH) })?;
