@@ -92,3 +92,44 @@ fn olmoe_is_refused_by_name() {
     let layout = Layout::new(&a, 64, 32, 2).unwrap();
     assert!(matches!(decode_launches(&a, &layout, 132, Fusion::Fused), Err(PlanError::Unsupported { .. })));
 }
+
+/// The text of `extern "C" __global__` kernel `name` in `src`, to its closing brace in column 0.
+fn kernel_body<'a>(src: &'a str, name: &str) -> &'a str {
+    let start = src
+        .match_indices("extern \"C\" __global__")
+        .map(|(i, _)| i)
+        .find(|&i| src[i..].lines().next().is_some_and(|head| head.contains(&format!(" {name}("))))
+        .unwrap_or_else(|| panic!("no kernel {name}"));
+    let len = src[start..].find("\n}\n").unwrap_or_else(|| panic!("kernel {name} has no closing brace in column 0"));
+    &src[start..start + len]
+}
+
+/// Programmatic dependent launch lets a decode kernel start while the previous one runs; only its
+/// `pdl_enter()` (griddepcontrol.wait) orders it after that kernel's writes. A kernel of the
+/// decode graph without it reads stale activations (the 68ebf5d attempt: attn_decode had none,
+/// and decode logits came out at cosine ~0). Every kernel a decode plan launches must call it,
+/// directly or through the matvec core, which calls it before staging its input.
+#[test]
+fn every_decode_kernel_waits_for_its_predecessor() {
+    let archs = [thin_generated::llama_tiny::cuda::arch(), thin_generated::smollm3_tiny::cuda::arch(), thin_generated::gemma3_tiny::cuda::arch()];
+    for a in &archs {
+        for fusion in [Fusion::Fused, Fusion::Unfused] {
+            let layout = Layout::new(a, 64, 32, 2).unwrap();
+            for src in [a.kernels_bf16, a.kernels_f32] {
+                let core = &src[src.find("__device__ __forceinline__ void matvec(").expect("matvec core")..];
+                let core = &core[..core.find("\n}\n").unwrap()];
+                let wait = core.find("pdl_enter();").expect("the matvec core calls pdl_enter");
+                assert!(wait < core.find("stage();").unwrap(), "the matvec core waits before staging its input");
+                for l in decode_launches(a, &layout, 132, fusion).unwrap() {
+                    let body = kernel_body(src, l.kernel);
+                    assert!(
+                        body.contains("pdl_enter();") || body.contains("matvec<") || body.contains("matvec_plain<"),
+                        "{}: kernel {} never calls pdl_enter()",
+                        a.arch,
+                        l.kernel
+                    );
+                }
+            }
+        }
+    }
+}
