@@ -6,7 +6,7 @@
 //! on the host from the same inputs and weights. Metric: `max_rel` = max |gpu - cpu| over the
 //! output / (max |cpu| + 1e-6); `max_abs` is reported too. On a GPU host:
 //!
-//!   cargo test --release --features cuda,smollm2-135m,llama3.2-1b,smollm3-3b --test cuda_kernels -- --nocapture
+//!   cargo test --release --features cuda,smollm2-135m,llama3.2-1b,smollm3-3b,gemma3-270m --test cuda_kernels -- --nocapture
 //!
 //! `THIN_KERNEL_REPORT=path` appends one JSON line per check to `path`. Without a CUDA driver the
 //! tests print "skipped: no CUDA driver" and pass.
@@ -17,12 +17,12 @@
 //! layer: norm_qkv, attn_decode (cache row, attention output, block counter) at positions 0 and
 //! 150, norm_gateup, down_residual, qk_rope_kv, attn_partial + attn_combine, o_residual, and
 //! prefill's rows_norm, the seven GEMMs, qk_rope_kv and attn_partial + attn_combine_rows over 7
-//! rows. Kernels no plan of these archs launches (`o_proj`, `down_proj`, `norm_residual`: the
-//! sandwich-norm path) run as hand-built launches with plan.rs's sandwich argument convention;
-//! a last check fails if any kernel in `plan::KERNELS` never ran. Not covered: the f32-weight
+//! rows. Each arch's residual projections run both ways (`o_residual`/`o_proj`,
+//! `down_residual`/`down_proj`: the plan's launch and the same launch retarget as plan.rs builds
+//! the other kind of arch), and `norm_residual` over prefill rows; a last check fails if any kernel in `plan::KERNELS` never ran. Not covered: the f32-weight
 //! kernel instance (decode_f32.cu), the decode graph and the prefill pass as wholes.
 #![cfg(feature = "cuda")]
-#![cfg_attr(not(any(feature = "smollm2-135m", feature = "llama3.2-1b", feature = "smollm3-3b")), allow(dead_code, unused_imports))]
+#![cfg_attr(not(any(feature = "smollm2-135m", feature = "llama3.2-1b", feature = "smollm3-3b", feature = "gemma3-270m")), allow(dead_code, unused_imports))]
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
@@ -858,6 +858,19 @@ impl<'a> T<'a> {
         self.check("norm_residual", Some(l), format!("PO -> PX rows={ROWS}"), &got[..want.len()], &want, TOL_F32);
     }
 
+    /// Layer `l`'s projection into the residual stream both ways: `add` (x += W in, into X) and
+    /// `plain` (o = W in, into O, the sandwich-norm path). The fused plan launches one of them;
+    /// the other is the same launch retargeted, as plan.rs builds it for the other kind of arch.
+    fn residual_pair(&self, add: &'static str, plain: &'static str, l: usize) -> (Launch, Launch) {
+        match self.fused.iter().find(|k| k.kernel == add && layer_of(k) == Some(l)) {
+            Some(la) => (la.clone(), retarget(la, plain, Buf::O)),
+            None => {
+                let la = find(&self.fused, plain, Some(l));
+                (retarget(&la, add, Buf::X), la)
+            }
+        }
+    }
+
     /// Every kernel of one layer: the fused decode step's, the unfused step's, prefill's.
     fn layer(&mut self, l: usize) {
         let window = self.a.layers[l].window;
@@ -874,9 +887,9 @@ impl<'a> T<'a> {
             self.attn_decode(l, 150, Some(40));
         }
         self.norm_gateup(l);
-        let down = find(&self.fused, "down_residual", Some(l));
+        let (down, down_proj) = self.residual_pair("down_residual", "down_proj", l);
         self.matvec_kernel(&down, Buf::Act, Role::FfnDown, Buf::X, true, l);
-        self.matvec_kernel(&retarget(&down, "down_proj", Buf::O), Buf::Act, Role::FfnDown, Buf::O, false, l);
+        self.matvec_kernel(&down_proj, Buf::Act, Role::FfnDown, Buf::O, false, l);
 
         let rope = find(&self.unfused, "qk_rope_kv", Some(l));
         let part = find(&self.unfused, "attn_partial", Some(l));
@@ -888,9 +901,9 @@ impl<'a> T<'a> {
         if l == 0 && window.is_none() {
             self.attn_partial(&part, &combine, 1, l, 150, Some(40));
         }
-        let o = find(&self.fused, "o_residual", Some(l));
+        let (o, o_proj) = self.residual_pair("o_residual", "o_proj", l);
         self.matvec_kernel(&o, Buf::Att, Role::AttnO, Buf::X, true, l);
-        self.matvec_kernel(&retarget(&o, "o_proj", Buf::O), Buf::Att, Role::AttnO, Buf::O, false, l);
+        self.matvec_kernel(&o_proj, Buf::Att, Role::AttnO, Buf::O, false, l);
 
         self.rows_norm(l, Role::AttnNorm);
         self.rows_norm(l, Role::FfnNorm);
@@ -972,4 +985,17 @@ fn llama3_2_1b_kernels_match_cpu_reference() {
 fn smollm3_3b_kernels_match_cpu_reference() {
     use thin_generated::smollm3_3b as m;
     run_arch(m::cuda::arch(), llama_ref(m::consts::RMS_EPS, m::consts::HEAD_DIM));
+}
+
+/// Gemma 3: embeddings scaled by sqrt(hidden) rounded to bf16 (the bf16 kernel's EMB_SCALE; HF's
+/// scaled embedding casts the scale to the weights' dtype, and the CPU engine, f32 throughout,
+/// keeps it exact), attention scale query_pre_attn_scalar^-1/2 = 1/sqrt(head_dim), GeGLU (tanh),
+/// per-head QK-norm, sandwich norms, sliding-window layers with their own RoPE table.
+#[cfg(feature = "gemma3-270m")]
+#[test]
+fn gemma3_270m_kernels_match_cpu_reference() {
+    use thin_generated::gemma3_270m as m;
+    let emb_scale = round_bf16((m::consts::HIDDEN as f32).sqrt());
+    let r = Ref { eps: m::consts::RMS_EPS, emb_scale, attn_scale: 1.0 / (m::consts::HEAD_DIM as f32).sqrt(), act: cpu::geglu };
+    run_arch(m::cuda::arch(), r);
 }
