@@ -113,13 +113,13 @@ fn kernel_body<'a>(src: &'a str, name: &str) -> &'a str {
 fn every_decode_kernel_waits_for_its_predecessor() {
     let archs = [thin_generated::llama_tiny::cuda::arch(), thin_generated::smollm3_tiny::cuda::arch(), thin_generated::gemma3_tiny::cuda::arch()];
     for a in &archs {
-        for fusion in [Fusion::Fused, Fusion::Unfused] {
-            let layout = Layout::new(a, 64, 32, 2).unwrap();
-            for src in [a.kernels_bf16, a.kernels_f32] {
-                let core = &src[src.find("__device__ __forceinline__ void matvec(").expect("matvec core")..];
-                let core = &core[..core.find("\n}\n").unwrap()];
-                let wait = core.find("pdl_enter();").expect("the matvec core calls pdl_enter");
-                assert!(wait < core.find("stage();").unwrap(), "the matvec core waits before staging its input");
+        let layout = Layout::new(a, 64, 32, 2).unwrap();
+        for src in [a.kernels_bf16, a.kernels_f32] {
+            let core = &src[src.find("__device__ __forceinline__ void matvec(").expect("matvec core")..];
+            let core = &core[..core.find("\n}\n").unwrap()];
+            let wait = core.find("pdl_enter();").expect("the matvec core calls pdl_enter");
+            assert!(wait < core.find("stage();").unwrap(), "the matvec core waits before staging its input");
+            for fusion in [Fusion::Fused, Fusion::Unfused] {
                 for l in decode_launches(a, &layout, 132, fusion).unwrap() {
                     let body = kernel_body(src, l.kernel);
                     assert!(
