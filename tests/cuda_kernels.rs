@@ -14,14 +14,13 @@
 //! Per arch: the kernel constants and RoPE tables; embed, norm_lm_head (logits and its per-block
 //! argmax candidates), argmax_step (after norm_lm_head and on made-up candidates), attn_combine on
 //! made-up partials, rows_embed, rows_act; then for layer 0, the last layer and the first NoPE
-//! layer: norm_qkv, attn_decode (cache row, attention output, block counter) at `POSITIONS`,
-//! norm_gateup, down_residual, qk_rope_kv, attn_partial + attn_combine, o_residual, and
+//! layer: norm_qkv, attn_decode (cache row, attention output, block counter) at positions 0 and
+//! 150, norm_gateup, down_residual, qk_rope_kv, attn_partial + attn_combine, o_residual, and
 //! prefill's rows_norm, the seven GEMMs, qk_rope_kv and attn_partial + attn_combine_rows over 7
 //! rows. Each arch's residual projections run both ways (`o_residual`/`o_proj`,
-//! `down_residual`/`down_proj`: the plan's launch, and the same launch retargeted as plan.rs
-//! builds it for the other kind of arch), and `norm_residual` over prefill rows; a last check
-//! fails if any kernel in `plan::KERNELS` never ran. Not covered: the f32-weight kernel instance
-//! (decode_f32.cu), the decode graph and the prefill pass as wholes.
+//! `down_residual`/`down_proj`: the plan's launch and the same launch retarget as plan.rs builds
+//! the other kind of arch), and `norm_residual` over prefill rows; a last check fails if any kernel in `plan::KERNELS` never ran. Not covered: the f32-weight
+//! kernel instance (decode_f32.cu), the decode graph and the prefill pass as wholes.
 #![cfg(feature = "cuda")]
 #![cfg_attr(not(any(feature = "smollm2-135m", feature = "llama3.2-1b", feature = "smollm3-3b", feature = "gemma3-270m")), allow(dead_code, unused_imports))]
 

@@ -44,21 +44,25 @@ inline int __shfl_xor_sync(unsigned, int v, int o) {
     g_shfl_i[w][l] = v; g_warp_bar[w]->arrive_and_wait();
     int r = g_shfl_i[w][l ^ o]; g_warp_bar[w]->arrive_and_wait(); return r;
 }
+inline void __nanosleep(unsigned) { std::this_thread::yield(); }
 inline float __expf(float x) { return expf(x); }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 using std::max; using std::min;
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
-// Run f on every block of grid with `threads` threads each.
-inline void launch(dim3 grid, unsigned threads, const std::function<void()>& f) {
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline unsigned atomicExch(unsigned* p, unsigned v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
+// Run block b of grid with `threads` threads.
+inline void run_block(dim3 grid, dim3 b, unsigned threads, const std::function<void()>& f) {
     gridDim = grid; blockDim = {threads, 1, 1};
-    for (unsigned z = 0; z < grid.z; ++z) for (unsigned y = 0; y < grid.y; ++y) for (unsigned x = 0; x < grid.x; ++x) {
-        blockIdx = {x, y, z};
-        std::barrier<> bar(threads); g_block_bar = &bar;
-        std::vector<std::barrier<>*> wb;
-        for (unsigned w = 0; w < threads / 32; ++w) { g_warp_bar[w] = new std::barrier<>(32); }
-        std::vector<std::thread> ts;
-        for (unsigned t = 0; t < threads; ++t) ts.emplace_back([&, t] { threadIdx = {t, 0, 0}; f(); });
-        for (auto& t : ts) t.join();
-        for (unsigned w = 0; w < threads / 32; ++w) delete g_warp_bar[w];
-    }
+    blockIdx = b;
+    std::barrier<> bar(threads); g_block_bar = &bar;
+    for (unsigned w = 0; w < threads / 32; ++w) { g_warp_bar[w] = new std::barrier<>(32); }
+    std::vector<std::thread> ts;
+    for (unsigned t = 0; t < threads; ++t) ts.emplace_back([&, t] { threadIdx = {t, 0, 0}; f(); });
+    for (auto& t : ts) t.join();
+    for (unsigned w = 0; w < threads / 32; ++w) delete g_warp_bar[w];
+}
+// Run f on every block of grid with `threads` threads each, one block after another.
+inline void launch(dim3 grid, unsigned threads, const std::function<void()>& f) {
+    for (unsigned z = 0; z < grid.z; ++z) for (unsigned y = 0; y < grid.y; ++y) for (unsigned x = 0; x < grid.x; ++x) run_block(grid, {x, y, z}, threads, f);
 }

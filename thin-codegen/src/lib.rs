@@ -798,6 +798,9 @@ pub struct DecodeKernels {
     pub attn_chunk: usize,
     pub matvec_warps: u32,
     pub attn_warps: u32,
+    pub num_layers: u64,
+    /// Render the persistent step (thin_core::cuda::plan::persistent_fits holds).
+    pub persistent: bool,
 }
 
 const TEMPLATES: [&str; 1] = [include_str!("../../kernels/decode.cu.j2")];
@@ -833,6 +836,12 @@ pub fn emit_kernels(d: &Description, _plan: &Plan) -> Result<BTreeMap<String, St
             attn_chunk: cp::ATTN_CHUNK,
             matvec_warps: cp::MATVEC_WARPS,
             attn_warps: cp::ATTN_WARPS,
+            num_layers: d.dims.num_layers,
+            persistent: d.moe.is_none()
+                && d.norm.placement != Placement::Sandwich
+                && a.softcap.is_none()
+                && d.final_logit_softcap.is_none()
+                && cp::persistent_stage_fits(h as usize, (a.num_heads * a.head_dim) as usize, d.dims.intermediate_size as usize),
         };
         out.insert(format!("decode_{wname}.cu"), k.render()?);
     }

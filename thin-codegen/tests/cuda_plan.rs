@@ -104,6 +104,21 @@ fn kernel_body<'a>(src: &'a str, name: &str) -> &'a str {
     &src[start..start + len]
 }
 
+/// Whether `text` calls pdl_enter(), directly or through device functions up to `depth` deep
+/// (the matvec core and attn_decode_block call it).
+fn waits(src: &str, text: &str, depth: usize) -> bool {
+    if text.contains("pdl_enter();") {
+        return true;
+    }
+    depth > 0
+        && src.match_indices("__device__ __forceinline__ void ").any(|(i, m)| {
+            let rest = &src[i + m.len()..];
+            let name = &rest[..rest.find(|c: char| !(c.is_alphanumeric() || c == '_')).unwrap_or(0)];
+            let def = &rest[..rest.find("\n}\n").unwrap_or(rest.len())];
+            !name.is_empty() && (text.contains(&format!(" {name}(")) || text.contains(&format!(" {name}<"))) && waits(src, def, depth - 1)
+        })
+}
+
 /// Programmatic dependent launch lets a decode kernel start while the previous one runs; only its
 /// `pdl_enter()` (griddepcontrol.wait) orders it after that kernel's writes. A kernel of the
 /// decode graph without it reads stale activations (the 68ebf5d attempt: attn_decode had none,
@@ -113,17 +128,17 @@ fn kernel_body<'a>(src: &'a str, name: &str) -> &'a str {
 fn every_decode_kernel_waits_for_its_predecessor() {
     let archs = [thin_generated::llama_tiny::cuda::arch(), thin_generated::smollm3_tiny::cuda::arch(), thin_generated::gemma3_tiny::cuda::arch()];
     for a in &archs {
-        let layout = Layout::new(a, 64, 32, 2).unwrap();
-        for src in [a.kernels_bf16, a.kernels_f32] {
-            let core = &src[src.find("__device__ __forceinline__ void matvec(").expect("matvec core")..];
-            let core = &core[..core.find("\n}\n").unwrap()];
-            let wait = core.find("pdl_enter();").expect("the matvec core calls pdl_enter");
-            assert!(wait < core.find("stage();").unwrap(), "the matvec core waits before staging its input");
-            for fusion in [Fusion::Fused, Fusion::Unfused] {
+        for fusion in [Fusion::Fused, Fusion::Unfused] {
+            let layout = Layout::new(a, 64, 32, 2).unwrap();
+            for src in [a.kernels_bf16, a.kernels_f32] {
+                let core = &src[src.find("__device__ __forceinline__ void matvec(").expect("matvec core")..];
+                let core = &core[..core.find("\n}\n").unwrap()];
+                let wait = core.find("pdl_enter();").expect("the matvec core calls pdl_enter");
+                assert!(wait < core.find("stage();").unwrap(), "the matvec core waits before staging its input");
                 for l in decode_launches(a, &layout, 132, fusion).unwrap() {
                     let body = kernel_body(src, l.kernel);
                     assert!(
-                        body.contains("pdl_enter();") || body.contains("matvec<") || body.contains("matvec_plain<"),
+                        waits(src, body, 3),
                         "{}: kernel {} never calls pdl_enter()",
                         a.arch,
                         l.kernel
@@ -132,4 +147,61 @@ fn every_decode_kernel_waits_for_its_predecessor() {
             }
         }
     }
+}
+
+/// The persistent step is rendered exactly where the plan offers it, and its one launch carries
+/// every layer's weights through the layer table instead.
+#[test]
+fn persistent_step_where_the_kernels_have_it() {
+    let archs = [
+        thin_generated::llama_tiny::cuda::arch(),
+        thin_generated::smollm3_tiny::cuda::arch(),
+        thin_generated::gemma3_tiny::cuda::arch(),
+        thin_generated::olmoe_tiny::cuda::arch(),
+    ];
+    for a in &archs {
+        let fits = thin_core::cuda::plan::persistent_fits(a);
+        assert_eq!(fits, a.kernels_bf16.contains("decode_persistent("), "{}: plan and rendered kernels disagree", a.arch);
+        assert_eq!(fits, a.kernels_f32.contains("decode_persistent("), "{}", a.arch);
+        let layout = Layout::new(a, 64, 32, 2).unwrap();
+        let got = decode_launches(a, &layout, 132, Fusion::Persistent);
+        // Prefill's epilogue is planned on its own: the persistent step has no separate LM head
+        // launch to borrow (its absence was an out-of-range slice in prefill).
+        // (MoE has no CUDA plan at all yet.)
+        match thin_core::cuda::plan::epilogue_launches(a, &layout, 132) {
+            Ok(ep) => assert_eq!(ep.iter().map(|l| l.kernel).collect::<Vec<_>>(), ["norm_lm_head", "argmax_step"], "{}", a.arch),
+            Err(e) => assert!(a.moe && matches!(e, PlanError::Unsupported { .. }), "{}: {e}", a.arch),
+        }
+        if !fits {
+            match got.unwrap_err() {
+                e @ PlanError::NoPersistent { .. } => assert!(e.to_string().contains("unset THIN_PERSISTENT"), "{e}"),
+                e => assert!(a.moe && matches!(e, PlanError::Unsupported { .. }), "{}: {e}", a.arch),
+            }
+            continue;
+        }
+        let launches = got.unwrap();
+        assert_eq!(launches.len(), 1);
+        assert_eq!((launches[0].kernel, launches[0].grid, launches[0].block), ("decode_persistent", (132, 1, 1), 256));
+        assert_eq!(layout.get(thin_core::cuda::plan::Buf::LayerTable).unwrap().1, a.layers.len() * thin_core::cuda::plan::LAYER_ARGS_BYTES);
+        // 15 pointers then 2 i32: the kernel's struct LayerArgs (128 bytes, static_asserted there).
+        for l in 0..a.layers.len() {
+            let args = thin_core::cuda::plan::layer_args(a, l);
+            let ptrs = args.iter().take_while(|x| !matches!(x, thin_core::cuda::plan::Arg::I32(_))).count();
+            assert_eq!((args.len(), ptrs), (17, 15), "{} layer {l}", a.arch);
+        }
+        // Every weight the fused step reads is in the layer table or the launch.
+        let fused = weights_used(&decode_launches(a, &layout, 132, Fusion::Fused).unwrap());
+        let mut persistent = weights_used(&launches);
+        for l in 0..a.layers.len() {
+            for x in thin_core::cuda::plan::layer_args(a, l) {
+                if let thin_core::cuda::plan::Arg::Weight(r, li) = x {
+                    persistent.push((r, li));
+                }
+            }
+        }
+        for w in &fused {
+            assert!(persistent.contains(w), "{}: {w:?} missing from the persistent step", a.arch);
+        }
+    }
+    assert!(thin_core::cuda::plan::persistent_fits(&thin_generated::llama_tiny::cuda::arch()));
 }

@@ -71,6 +71,8 @@ pub enum PlanError {
     Unsupported { arch: String, what: &'static str },
     #[error("context length {ctx} must be between 1 and the arch's max_position_embeddings {max}")]
     Context { ctx: usize, max: usize },
+    #[error("{arch}: no persistent decode step (it needs a dense pre-norm arch without softcaps whose largest matvec input fits 40 KiB); unset THIN_PERSISTENT")]
+    NoPersistent { arch: String },
 }
 
 /// A device buffer of the decode step.
@@ -119,6 +121,35 @@ pub enum Buf {
     AttnCount,
     /// The LM head's best (logit, index as f32 bits) per block, `[MATVEC_MAX_BLOCKS, 2]`.
     ArgPart,
+    /// The persistent step's per-layer arguments, `[layers]` of [`LAYER_ARGS_BYTES`] ([`layer_args`]).
+    LayerTable,
+    /// The persistent step's grid barrier: arrival count and generation (u32 each, zero at start).
+    GridBar,
+}
+
+/// Bytes of one layer's entry in [`Buf::LayerTable`]: the kernel's `struct LayerArgs`, 15
+/// pointers then two i32 (it static_asserts the same size).
+pub const LAYER_ARGS_BYTES: usize = 128;
+/// The persistent step's grid stops at this many blocks per multiprocessor (the runtime asks the
+/// driver how many stay resident; the plan itself launches one per multiprocessor).
+pub const PERSISTENT_MAX_BLOCKS_PER_SM: u32 = 2;
+/// The persistent step's kernel (resolved only where its plan is used).
+pub const PERSISTENT_KERNEL: &str = "decode_persistent";
+/// Most bytes of the persistent step's one shared staging buffer (the largest matvec input): static
+/// shared memory is 48 KiB a block, and attention and the reductions take a few KiB beside it.
+pub const PERSISTENT_MAX_STAGE_BYTES: usize = 40 * 1024;
+
+/// Whether the persistent decode step exists for an arch: dense, pre-norm (the kernel runs the
+/// five-phase Llama layer), no softcaps, and its largest matvec input fits the staging buffer.
+/// thin-codegen renders the kernel only where this holds.
+pub fn persistent_fits(a: &CudaArch) -> bool {
+    let dense_prenorm = !a.moe && !a.sandwich && a.attn_softcap.is_none() && a.final_softcap.is_none();
+    dense_prenorm && persistent_stage_fits(a.hidden, a.heads * a.head_dim, a.ffn)
+}
+
+/// The staging-buffer half of [`persistent_fits`] (thin-codegen asks it from the description).
+pub fn persistent_stage_fits(hidden: usize, q_dim: usize, ffn: usize) -> bool {
+    hidden.max(q_dim).max(ffn) * 4 <= PERSISTENT_MAX_STAGE_BYTES
 }
 
 /// Offsets of every buffer in one device arena.
@@ -160,6 +191,8 @@ impl Layout {
             (Buf::Pos, 4),
             (Buf::AttnCount, a.heads * 4),
             (Buf::ArgPart, MATVEC_MAX_BLOCKS as usize * 8),
+            (Buf::LayerTable, a.layers.len() * LAYER_ARGS_BYTES),
+            (Buf::GridBar, 8),
         ];
         let r = prefill_rows.max(1);
         sizes.extend([
@@ -298,12 +331,88 @@ pub enum Fusion {
     /// Seven: QK-norm/RoPE/KV write, split attention and combine as kernels of their own (the
     /// pieces prefill also uses); kept to measure what the fusion buys and to bisect.
     Unfused,
+    /// One kernel for the whole step: co-resident blocks run the Fused phases with a grid barrier
+    /// between them (no kernel boundaries). Only where [`persistent_fits`].
+    Persistent,
+}
+
+/// Layer `l`'s entry of [`Buf::LayerTable`], in the kernel's `struct LayerArgs` order: 15
+/// pointers (attn_norm, q, k, v, o, ffn_norm, gate, up, down, q_norm, k_norm, cos, sin, k cache,
+/// v cache; null where absent) then use_rope and window.
+pub fn layer_args(a: &CudaArch, l: usize) -> Vec<Arg> {
+    let li = Some(l as u32);
+    let w = |r| Arg::Weight(r, li);
+    let [qn, kn, cos, sin, use_rope] = rope_args(a, &a.layers[l], l);
+    let window = Arg::I32(a.layers[l].window.map_or(0, |x| x as i32));
+    vec![
+        w(Role::AttnNorm),
+        w(Role::AttnQ),
+        w(Role::AttnK),
+        w(Role::AttnV),
+        w(Role::AttnO),
+        w(Role::FfnNorm),
+        w(Role::FfnGate),
+        w(Role::FfnUp),
+        w(Role::FfnDown),
+        qn,
+        kn,
+        cos,
+        sin,
+        Arg::Buf(Buf::KCache(l)),
+        Arg::Buf(Buf::VCache(l)),
+        use_rope,
+        window,
+    ]
+}
+
+/// The persistent step: one launch of `sm_count` blocks (one per multiprocessor; the runtime
+/// widens the grid to what the driver says stays resident), [`PERSISTENT_KERNEL`] over the layer table.
+fn persistent_launch(a: &CudaArch, layout: &Layout, sm_count: u32) -> Result<Vec<Launch>, PlanError> {
+    if !persistent_fits(a) {
+        return Err(PlanError::NoPersistent { arch: a.arch.to_string() });
+    }
+    let head = if a.tied_embeddings { Role::TokenEmbd } else { Role::LmHead };
+    let b = Arg::Buf;
+    Ok(vec![Launch {
+        kernel: PERSISTENT_KERNEL,
+        grid: (sm_count.clamp(1, MATVEC_MAX_BLOCKS), 1, 1),
+        block: MATVEC_WARPS * 32,
+        args: vec![
+            b(Buf::LayerTable),
+            Arg::Weight(Role::TokenEmbd, None),
+            Arg::Weight(Role::OutputNorm, None),
+            Arg::Weight(head, None),
+            b(Buf::Tok),
+            b(Buf::Pos),
+            b(Buf::X),
+            b(Buf::Qkv),
+            b(Buf::Att),
+            b(Buf::Act),
+            b(Buf::Logits),
+            b(Buf::Part),
+            b(Buf::AttnCount),
+            b(Buf::ArgPart),
+            b(Buf::GridBar),
+            Arg::I32(layout.splits as i32),
+        ],
+    }])
+}
+
+/// The decode step's epilogue: final norm + LM head, then argmax (which advances the position).
+/// Prefill runs it after the prompt's last row, whichever [`Fusion`] the decode step has (the
+/// persistent step runs it as phases of its one kernel, so it is planned here on its own).
+pub fn epilogue_launches(a: &CudaArch, layout: &Layout, sm_count: u32) -> Result<Vec<Launch>, PlanError> {
+    let mut all = decode_launches(a, layout, sm_count, Fusion::Fused)?;
+    Ok(all.split_off(all.len() - 2))
 }
 
 /// The whole decode step, in order: embed, per layer (see [`Fusion`]), then final norm + LM head
 /// and argmax (which also advances the position).
 pub fn decode_launches(a: &CudaArch, layout: &Layout, sm_count: u32, fusion: Fusion) -> Result<Vec<Launch>, PlanError> {
     check_supported(a)?;
+    if fusion == Fusion::Persistent {
+        return persistent_launch(a, layout, sm_count);
+    }
     let (q, kv) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
     let mv = |inf, rows| matvec_grid(inf, rows, 1, layout.wbytes, sm_count);
     let block = MATVEC_WARPS * 32;

@@ -97,6 +97,10 @@ pub struct LoadStats {
     pub fused: bool,
     /// Programmatic dependent launch between the decode graph's kernels (sm_90+; off: THIN_NO_PDL=1).
     pub pdl: bool,
+    /// The decode step is one persistent kernel (THIN_PERSISTENT=1).
+    pub persistent: bool,
+    /// Its grid (co-resident blocks), where it is used.
+    pub persistent_blocks: u32,
 }
 
 /// Compile `source` for `target` to a cubin, or read it from the cache.
@@ -212,6 +216,8 @@ pub struct CudaEngine {
     offsets: std::collections::BTreeMap<(Role, Option<u32>), (usize, usize)>,
     funcs: std::collections::BTreeMap<&'static str, cusys::CUfunction>,
     launches: Vec<Launch>,
+    /// What prefill runs after the prompt ([`plan::epilogue_launches`]).
+    epilogue: Vec<Launch>,
     spec: CudaArch,
     blas: Option<blassys::cublasHandle_t>,
     wtype: blassys::cudaDataType,
@@ -259,12 +265,34 @@ impl CudaEngine {
         let dtype = src.dtype(Role::TokenEmbd, None).ok_or(CudaError::Weight { role: Role::TokenEmbd, layer: None, msg: "missing".into() })?;
         let wbytes = if dtype == DType::Bf16 { 2 } else { 4 };
         let layout = Layout::new(arch, ctx, PREFILL_ROWS.min(ctx), wbytes)?;
-        // THIN_UNFUSED=1 runs the seven-kernel layer instead (A/B timing, bisecting).
-        let fusion = if std::env::var_os("THIN_UNFUSED").is_some_and(|v| v == "1") { plan::Fusion::Unfused } else { plan::Fusion::Fused };
+        // THIN_UNFUSED=1 runs the seven-kernel layer instead (A/B timing, bisecting);
+        // THIN_PERSISTENT=1 the one-kernel step (where the arch has it).
+        let env_on = |k: &str| std::env::var_os(k).is_some_and(|v| v == "1");
+        let fusion = if env_on("THIN_UNFUSED") {
+            plan::Fusion::Unfused
+        } else if env_on("THIN_PERSISTENT") {
+            plan::Fusion::Persistent
+        } else {
+            plan::Fusion::Fused
+        };
         stats.fused = fusion == plan::Fusion::Fused;
-        stats.pdl = major >= 9 && !std::env::var_os("THIN_NO_PDL").is_some_and(|v| v == "1");
-        let launches = plan::decode_launches(arch, &layout, sm_count, fusion)?;
+        stats.persistent = fusion == plan::Fusion::Persistent;
+        stats.pdl = major >= 9 && !env_on("THIN_NO_PDL") && !stats.persistent;
+        let mut launches = plan::decode_launches(arch, &layout, sm_count, fusion)?;
+        let epilogue = plan::epilogue_launches(arch, &layout, sm_count)?;
         let mut used = plan::weights_used(&launches);
+        if stats.persistent {
+            // The layer table's weights, which no launch names.
+            for l in 0..arch.layers.len() {
+                for a in plan::layer_args(arch, l) {
+                    if let Arg::Weight(r, li) = a {
+                        if !used.contains(&(r, li)) {
+                            used.push((r, li));
+                        }
+                    }
+                }
+            }
+        }
         for step in plan::prefill_steps(arch, &layout, 1)? {
             if let Step::Gemm(g) = step {
                 if !used.contains(&g.weight) {
@@ -283,9 +311,24 @@ impl CudaEngine {
         drv("binding the context", cuda_ctx.bind_to_thread())?;
         let module = drv("loading the kernel module", unsafe { cu::module::load_data(cubin.as_ptr() as *const c_void) })?;
         let mut funcs = std::collections::BTreeMap::new();
-        for &k in plan::KERNELS {
+        let persistent = stats.persistent.then_some(plan::PERSISTENT_KERNEL);
+        for &k in plan::KERNELS.iter().chain(persistent.iter()) {
             let f = drv("resolving a kernel", unsafe { cu::module::get_function(module, CString::new(k).unwrap()) })?;
             funcs.insert(k, f);
+        }
+        if let Some(k) = persistent {
+            // As many blocks per multiprocessor as stay resident (a cooperative launch needs them
+            // all at once), at most plan::PERSISTENT_MAX_BLOCKS_PER_SM; THIN_PERSISTENT_BLOCKS_PER_SM
+            // overrides it (tuning: the driver still refuses a grid that cannot be resident).
+            let mut occ = 0i32;
+            let block = launches[0].block as i32;
+            drv("querying the persistent step's occupancy", unsafe { cusys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut occ, funcs[k], block, 0) }.result())?;
+            let per_sm = std::env::var("THIN_PERSISTENT_BLOCKS_PER_SM").ok().and_then(|v| v.parse::<u32>().ok()).unwrap_or((occ.max(0) as u32).min(plan::PERSISTENT_MAX_BLOCKS_PER_SM));
+            if per_sm == 0 {
+                return Err(CudaError::Driver { what: "planning the persistent step", err: "not one block of it fits a multiprocessor".into() });
+            }
+            launches[0].grid.0 = (sm_count * per_sm).min(plan::MATVEC_MAX_BLOCKS);
+            stats.persistent_blocks = launches[0].grid.0;
         }
 
         let t = Instant::now();
@@ -357,6 +400,7 @@ impl CudaEngine {
             offsets,
             funcs,
             launches,
+            epilogue,
             spec: arch.clone(),
             blas,
             wtype,
@@ -366,8 +410,30 @@ impl CudaEngine {
             device_tok: None,
             stats,
         };
+        if e.stats.persistent {
+            e.write_layer_table()?;
+        }
         e.capture()?;
         Ok(e)
+    }
+
+    /// The persistent step's [`Buf::LayerTable`]: every layer's [`plan::layer_args`] as the
+    /// kernel's `struct LayerArgs` (little-endian pointers, then i32s).
+    fn write_layer_table(&self) -> Result<(), CudaError> {
+        let mut bytes = Vec::with_capacity(self.spec.layers.len() * plan::LAYER_ARGS_BYTES);
+        for l in 0..self.spec.layers.len() {
+            let start = bytes.len();
+            for a in plan::layer_args(&self.spec, l) {
+                match self.resolve(&a)? {
+                    ParamValue::Ptr(p) => bytes.extend(p.to_le_bytes()),
+                    ParamValue::I32(i) => bytes.extend(i.to_le_bytes()),
+                }
+            }
+            if bytes.len() - start != plan::LAYER_ARGS_BYTES {
+                return Err(CudaError::Driver { what: "writing the layer table", err: format!("layer {l}: {} bytes, not {}", bytes.len() - start, plan::LAYER_ARGS_BYTES) });
+            }
+        }
+        self.write_buf(Buf::LayerTable, &bytes)
     }
 
     /// Capture the decode step once into a graph.
@@ -419,12 +485,20 @@ impl CudaEngine {
                 ParamValue::I32(i) => i as *mut i32 as *mut c_void,
             })
             .collect();
-        if !pdl {
+        let cooperative = l.kernel == plan::PERSISTENT_KERNEL;
+        if !pdl && !cooperative {
             return drv("launching a kernel", unsafe { cu::launch_kernel(f, l.grid, (l.block, 1, 1), 0, self.stream.cu_stream(), &mut params) });
         }
+        // The persistent step's blocks wait for each other: a cooperative launch, which the driver
+        // refuses rather than run with blocks that are not all resident at once.
         let mut attr: cusys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = cusys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        if cooperative {
+            attr.id = cusys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+            attr.value.cooperative = 1;
+        } else {
+            attr.id = cusys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+        }
         let cfg = cusys::CUlaunchConfig {
             gridDimX: l.grid.0,
             gridDimY: l.grid.1,
@@ -437,7 +511,7 @@ impl CudaEngine {
             attrs: &mut attr,
             numAttrs: 1,
         };
-        drv("launching a kernel (programmatic dependent launch)", unsafe { cusys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()) }.result())
+        drv(if cooperative { "launching the persistent step (cooperative launch)" } else { "launching a kernel (programmatic dependent launch)" }, unsafe { cusys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()) }.result())
     }
 
     /// One prefill GEMM: `out[:, col..col+n] (+)= input · W^T` (row-major), as cuBLAS's
@@ -508,8 +582,7 @@ impl CudaEngine {
         let row = (last_rows - 1) * self.spec.hidden * 4;
         drv("copying the last row", unsafe { cu::memcpy_dtod_async(self.buf(Buf::X), self.buf(Buf::PX) + row as u64, self.spec.hidden * 4, cs) }).map_err(Self::engine_err)?;
         self.set_pos(self.pos - 1).map_err(Self::engine_err)?;
-        let n = self.launches.len();
-        for l in &self.launches[n - 2..] {
+        for l in &self.epilogue {
             self.launch(l, false).map_err(Self::engine_err)?;
         }
         self.device_tok = None;
