@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The real SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) on the GPU machine, over two device calls:
-# one call carries at most 64 MiB, so the GGUF travels in two parts (.gl/smol.part.aa, .ab: split
-# -b 50000000 of the file in tests/common's model cache). The second call must find the machine
-# still warm (the device keeps it ~30 s after a call), where the first left its part in /tmp.
-#   call 1, carry [".bin", ".gl/smol.part.aa"]:          bash bench/real_smollm2.sh stage
-#   call 2, carry [".gl/smol.part.ab", ".whl"]:           bash bench/real_smollm2.sh run > $OUT/log.txt 2>&1
+# one call carries at most 64 MiB, so the GGUF travels in parts (split -b 45000000 of the file in
+# tests/common's model cache: .gl/smol.part.aa, .ab, .ac), the first with the binary. The second
+# call must find the machine still warm (the device keeps it ~30 s after a call), where the first
+# left its part in /tmp.
+#   call 1, carry [".bin/thin", ".gl/smol.part.aa"]:                  bash bench/real_smollm2.sh stage
+#   call 2, carry [".gl/smol.part.ab", ".gl/smol.part.ac", ".whl"]:   bash bench/real_smollm2.sh run > $OUT/log.txt 2>&1
 # `run` joins and checks the file, converts it with `thin convert` (dequantized to bf16, the
 # weights HF's GGUF loader gives), runs `thin run --backend cuda` on a chat prompt, `thin bench`,
 # and bench/fidelity.py against HF bf16 on the same dequantized weights; results under $OUT.
@@ -22,9 +23,12 @@ case "${1:-}" in
     [ -f "$R/smol.part.aa" ] || { echo "no $R/smol.part.aa: the machine was not warm (run the stage call again, then this one at once)"; exit 2; }
     [ -x "$BIN" ] || BIN=$R/thin
     mkdir -p "$R/hf"
-    cat "$R/smol.part.aa" .gl/smol.part.ab > "$R/hf/model.gguf"
+    cat "$R/smol.part.aa" .gl/smol.part.a[b-z] > "$R/hf/model.gguf"
     echo "$SHA  $R/hf/model.gguf" | sha256sum -c - || exit 3
-    pip install --no-index --no-deps -q .whl/gguf-*.whl 2>&1 | tail -1
+    # Into a folder of its own for the python that runs transformers (a bare `pip` may be another
+    # interpreter's: HF then finds no gguf).
+    python3 -m pip install --no-index --no-deps -q --target "$R/py" .whl/gguf-*.whl 2>&1 | grep -v "root user" | tail -1
+    export PYTHONPATH="$R/py${PYTHONPATH:+:$PYTHONPATH}"
     for d in /usr/local/cuda/lib64 $(python3 -c "import nvidia, os; print(' '.join(os.path.join(p, s, 'lib') for p in nvidia.__path__ for s in ('cuda_nvrtc', 'cu13')))" 2>/dev/null); do
       [ -d "$d" ] && LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
     done
