@@ -27,6 +27,10 @@ pub trait BenchEngine: Engine {
     fn profile(&mut self, _reps: usize) -> anyhow::Result<serde_json::Value> {
         bail!("this backend has no kernel profile")
     }
+    /// Each kernel's cost inside the replayed decode step (`thin bench --timeline`).
+    fn timeline(&mut self, _steps: usize) -> anyhow::Result<serde_json::Value> {
+        bail!("this backend has no step timeline")
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -44,6 +48,10 @@ impl BenchEngine for thin_core::cuda::runtime::CudaEngine {
         let rows = thin_core::cuda::runtime::CudaEngine::profile(self, reps)?;
         self.reset();
         Ok(serde_json::to_value(rows)?)
+    }
+    fn timeline(&mut self, steps: usize) -> anyhow::Result<serde_json::Value> {
+        let (rows, span_us) = thin_core::cuda::runtime::CudaEngine::timeline(self, steps)?;
+        Ok(json!({"steps": steps, "first_to_last_start_us": span_us, "kernels": rows}))
     }
 }
 
@@ -103,6 +111,7 @@ pub struct BenchOptions {
     pub reps: usize,
     pub json: bool,
     pub profile: bool,
+    pub timeline: bool,
 }
 
 /// Prompt ids for a pp run: deterministic, spread over the vocabulary, no special meaning.
@@ -136,6 +145,8 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     let decode_tok_s = opts.steps as f64 / t.elapsed().as_secs_f64();
     // At the reference method's position (a short cache), before pp/tg reset it.
     let kernels = if opts.profile { Some(BenchEngine::profile(&mut e, 50)?) } else { None };
+    // The kernels' costs inside the step, from the same position on (needs THIN_TIMELINE=1).
+    let timeline = if opts.timeline { Some(BenchEngine::timeline(&mut e, 50)?) } else { None };
 
     // (b) llama-bench style: pp (prompt of `pp` tokens from an empty cache) and tg (greedy tokens
     // after a one-token prompt), each repeated.
@@ -175,6 +186,7 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
         "cold_start_to_first_token_s": first_token_s,
         "load": e.load_stats(),
         "kernels": kernels,
+        "timeline": timeline,
     });
     if opts.json {
         println!("{rec}");
@@ -186,6 +198,14 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
         println!("| {} {} | tg{} | {:.1} ± {:.1} |", name, profile, opts.tg, tg_m, tg_sd);
         if let Some(p) = peak {
             println!("device memory held: {p:.3} GiB; cold start to first token {first_token_s:.2} s");
+        }
+        if let Some(t) = &timeline {
+            println!("in-step timeline over {} steps (start of the first kernel to start of the last: {:.1} µs)", t["steps"], t["first_to_last_start_us"].as_f64().unwrap_or(0.0));
+            println!("| kernel | launches/step | µs/launch | µs/step |");
+            println!("|---|---|---|---|");
+            for r in t["kernels"].as_array().into_iter().flatten() {
+                println!("| {} | {} | {:.2} | {:.1} |", r["kernel"].as_str().unwrap_or("?"), r["launches"], r["us_per_launch"].as_f64().unwrap_or(0.0), r["us_per_step"].as_f64().unwrap_or(0.0));
+            }
         }
         if let Some(rows) = kernels.as_ref().and_then(|p| p.as_array()) {
             println!("| kernel | launches/step | µs/launch | µs/step | weight GB/s |");

@@ -84,6 +84,10 @@ enum Command {
         /// order), with the weight bandwidth it reaches.
         #[arg(long)]
         profile: bool,
+        /// Also report each kernel's cost inside the replayed step (from stamps the kernels write
+        /// when the engine is started with THIN_TIMELINE=1).
+        #[arg(long)]
+        timeline: bool,
     },
     /// Teacher-forced logits of the GPU engine over given ids, as raw f32 rows (for fidelity checks).
     Logits {
@@ -144,8 +148,8 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Bench { file, ctx, warmup, steps, pp, tg, reps, json, profile } => {
-            bench::bench(&file, &bench::BenchOptions { ctx, warmup, steps, pp, tg, reps, json, profile })
+        Command::Bench { file, ctx, warmup, steps, pp, tg, reps, json, profile, timeline } => {
+            bench::bench(&file, &bench::BenchOptions { ctx, warmup, steps, pp, tg, reps, json, profile, timeline })
         }
         Command::Logits { file, ids, prompt_len, out, ctx, cpu } => bench::logits(&file, &ids, prompt_len, &out, ctx, cpu),
         Command::Verify { file } => {

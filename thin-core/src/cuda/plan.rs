@@ -159,6 +159,9 @@ pub struct Layout {
     /// Bytes per weight element (2: bf16, 4: f32); the matvec grids depend on it.
     pub wbytes: usize,
     pub splits: usize,
+    /// Matvec grids stop growing at this many blocks per multiprocessor (default
+    /// [`MATVEC_BLOCKS_PER_SM`]; fewer leave room for the next kernel's blocks to start early).
+    pub matvec_blocks_per_sm: u32,
     /// Most prompt tokens one prefill pass takes (longer prompts go in chunks).
     pub prefill_rows: usize,
     pub total_bytes: usize,
@@ -223,7 +226,7 @@ impl Layout {
             regions.insert(b, (off, n));
             off += align(n);
         }
-        Ok(Layout { ctx, wbytes, splits, prefill_rows: r, total_bytes: off, regions })
+        Ok(Layout { ctx, wbytes, splits, matvec_blocks_per_sm: MATVEC_BLOCKS_PER_SM, prefill_rows: r, total_bytes: off, regions })
     }
 
     /// (offset, bytes) of a buffer; `None` if this arch does not use it.
@@ -291,12 +294,12 @@ pub fn matvec_group_threads(in_features: usize, wbytes: usize, nr: usize) -> u32
 }
 
 /// Grid of a matvec over `rows` outputs of `nr` weight rows of `in_features`: enough blocks for
-/// every output group (a block takes 256 / group-threads at a time), at most MATVEC_BLOCKS_PER_SM
-/// per multiprocessor.
-pub fn matvec_grid(in_features: usize, rows: usize, nr: usize, wbytes: usize, sm_count: u32) -> (u32, u32, u32) {
+/// every output group (a block takes 256 / group-threads at a time), at most `per_sm` per
+/// multiprocessor ([`Layout::matvec_blocks_per_sm`]).
+pub fn matvec_grid(in_features: usize, rows: usize, nr: usize, wbytes: usize, sm_count: u32, per_sm: u32) -> (u32, u32, u32) {
     let per_block = (MATVEC_WARPS * 32 / matvec_group_threads(in_features, wbytes, nr)) as usize;
     let need = rows.div_ceil(per_block) as u32;
-    (need.min(sm_count.max(1) * MATVEC_BLOCKS_PER_SM).min(MATVEC_MAX_BLOCKS).max(1), 1, 1)
+    (need.min(sm_count.max(1) * per_sm.max(1)).min(MATVEC_MAX_BLOCKS).max(1), 1, 1)
 }
 
 fn check_supported(a: &CudaArch) -> Result<(), PlanError> {
@@ -414,7 +417,7 @@ pub fn decode_launches(a: &CudaArch, layout: &Layout, sm_count: u32, fusion: Fus
         return persistent_launch(a, layout, sm_count);
     }
     let (q, kv) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
-    let mv = |inf, rows| matvec_grid(inf, rows, 1, layout.wbytes, sm_count);
+    let mv = |inf, rows| matvec_grid(inf, rows, 1, layout.wbytes, sm_count, layout.matvec_blocks_per_sm);
     let block = MATVEC_WARPS * 32;
     let mut out = vec![Launch {
         kernel: "embed",
@@ -606,11 +609,11 @@ fn mlp_launches(a: &CudaArch, layout: &Layout, l: usize, sm_count: u32, out: &mu
     let block = MATVEC_WARPS * 32;
     out.push(Launch {
         kernel: "norm_gateup",
-        grid: matvec_grid(a.hidden, a.ffn, 2, layout.wbytes, sm_count),
+        grid: matvec_grid(a.hidden, a.ffn, 2, layout.wbytes, sm_count, layout.matvec_blocks_per_sm),
         block,
         args: vec![Arg::Buf(Buf::X), w(Role::FfnNorm), w(Role::FfnGate), w(Role::FfnUp), Arg::Buf(Buf::Act)],
     });
-    let grid = matvec_grid(a.ffn, a.hidden, 1, layout.wbytes, sm_count);
+    let grid = matvec_grid(a.ffn, a.hidden, 1, layout.wbytes, sm_count, layout.matvec_blocks_per_sm);
     if a.sandwich {
         out.push(Launch { kernel: "down_proj", grid, block, args: vec![Arg::Buf(Buf::Act), w(Role::FfnDown), Arg::Buf(Buf::O)] });
         out.push(Launch { kernel: "norm_residual", grid: (1, 1, 1), block: 256, args: vec![Arg::Buf(Buf::O), w(Role::FfnPostNorm), Arg::Buf(Buf::X)] });
@@ -771,9 +774,9 @@ mod tests {
     fn matvec_grid_caps_at_the_machine() {
         // bf16 rows of 2048: a warp per row, 8 rows a block.
         assert_eq!(matvec_group_threads(2048, 2, 1), 32);
-        assert_eq!(matvec_grid(2048, 960, 1, 2, 132), (120, 1, 1));
-        assert_eq!(matvec_grid(2048, 128256, 1, 2, 132), (132 * MATVEC_BLOCKS_PER_SM, 1, 1));
-        assert_eq!(matvec_grid(2048, 1, 1, 2, 132), (1, 1, 1));
+        assert_eq!(matvec_grid(2048, 960, 1, 2, 132, MATVEC_BLOCKS_PER_SM), (120, 1, 1));
+        assert_eq!(matvec_grid(2048, 128256, 1, 2, 132, MATVEC_BLOCKS_PER_SM), (132 * MATVEC_BLOCKS_PER_SM, 1, 1));
+        assert_eq!(matvec_grid(2048, 1, 1, 2, 132, MATVEC_BLOCKS_PER_SM), (1, 1, 1));
         // Gate and up rows together: two warps an output.
         assert_eq!(matvec_group_threads(2048, 2, 2), 64);
         // Long rows share a row over more threads: fewer rows a block, more blocks.
@@ -781,9 +784,9 @@ mod tests {
         assert_eq!(matvec_group_threads(8192, 2, 1), 128);
         assert_eq!(matvec_group_threads(2048, 4, 1), 64);
         assert_eq!(matvec_group_threads(576, 2, 1), 32);
-        assert_eq!(matvec_grid(11008, 300, 1, 2, 132), (300, 1, 1));
-        assert_eq!(matvec_grid(8192, 300, 1, 2, 132), (150, 1, 1));
-        assert_eq!(matvec_grid(2048, 1 << 30, 1, 2, 100_000).0, MATVEC_MAX_BLOCKS);
+        assert_eq!(matvec_grid(11008, 300, 1, 2, 132, MATVEC_BLOCKS_PER_SM), (300, 1, 1));
+        assert_eq!(matvec_grid(8192, 300, 1, 2, 132, MATVEC_BLOCKS_PER_SM), (150, 1, 1));
+        assert_eq!(matvec_grid(2048, 1 << 30, 1, 2, 100_000, MATVEC_BLOCKS_PER_SM).0, MATVEC_MAX_BLOCKS);
     }
 
     #[test]

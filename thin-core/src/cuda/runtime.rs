@@ -101,6 +101,12 @@ pub struct LoadStats {
     pub persistent: bool,
     /// Its grid (co-resident blocks), where it is used.
     pub persistent_blocks: u32,
+    /// The kernels stamp the in-step timeline (THIN_TIMELINE=1; see [`CudaEngine::timeline`]).
+    pub timeline: bool,
+    /// The matvec grids' cap per multiprocessor ([`plan::Layout::matvec_blocks_per_sm`]).
+    pub matvec_blocks_per_sm: u32,
+    /// Registers per thread of each kernel, as the compiled module has them.
+    pub kernel_regs: std::collections::BTreeMap<String, i32>,
 }
 
 /// Compile `source` for `target` to a cubin, or read it from the cache.
@@ -200,6 +206,20 @@ pub struct KernelTime {
     pub weight_gb_s: f64,
 }
 
+/// One kernel's share of the decode step as it runs inside the graph, from [`CudaEngine::timeline`].
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TimelineRow {
+    pub kernel: &'static str,
+    /// Launches of this kernel in one decode step.
+    pub launches: usize,
+    /// Mean time from a launch's start (its predecessor complete) to its successor's start, over
+    /// its launches and the timed steps: the launch's whole cost in the step, drain and
+    /// dependency latency included. The step's last kernel has no successor and no row.
+    pub us_per_launch: f64,
+    /// All its launches' time per step.
+    pub us_per_step: f64,
+}
+
 /// Prompt tokens one batched prefill pass takes; longer prompts go in chunks of this many.
 pub const PREFILL_ROWS: usize = 512;
 
@@ -264,7 +284,13 @@ impl CudaEngine {
         // Weights: one dtype for the whole archive picks the kernel instance.
         let dtype = src.dtype(Role::TokenEmbd, None).ok_or(CudaError::Weight { role: Role::TokenEmbd, layer: None, msg: "missing".into() })?;
         let wbytes = if dtype == DType::Bf16 { 2 } else { 4 };
-        let layout = Layout::new(arch, ctx, PREFILL_ROWS.min(ctx), wbytes)?;
+        let mut layout = Layout::new(arch, ctx, PREFILL_ROWS.min(ctx), wbytes)?;
+        // THIN_MATVEC_BLOCKS_PER_SM=n caps the matvec grids at n blocks per multiprocessor (A/B
+        // timing; the kernels stride over whatever grid they get).
+        if let Some(n) = std::env::var("THIN_MATVEC_BLOCKS_PER_SM").ok().and_then(|v| v.parse::<u32>().ok()).filter(|&n| n > 0) {
+            layout.matvec_blocks_per_sm = n;
+        }
+        stats.matvec_blocks_per_sm = layout.matvec_blocks_per_sm;
         // THIN_UNFUSED=1 runs the seven-kernel layer instead (A/B timing, bisecting);
         // THIN_PERSISTENT=1 the one-kernel step (where the arch has it).
         let env_on = |k: &str| std::env::var_os(k).is_some_and(|v| v == "1");
@@ -305,6 +331,14 @@ impl CudaEngine {
             DType::F32 => arch.kernels_f32,
             other => return Err(CudaError::Weight { role: Role::TokenEmbd, layer: None, msg: format!("stored as {other:?}; the CUDA kernels read bf16 or f32") }),
         };
+        stats.timeline = env_on("THIN_TIMELINE");
+        let stamped;
+        let source = if stats.timeline {
+            stamped = format!("#define THIN_TIMELINE 1\n{source}");
+            stamped.as_str()
+        } else {
+            source
+        };
         let (cubin, hit, compile_s) = compiled_cubin(source, arch.arch, &stats.gpu_target, dv)?;
         stats.kernel_cache_hit = hit;
         stats.compile_s = compile_s;
@@ -314,6 +348,10 @@ impl CudaEngine {
         let persistent = stats.persistent.then_some(plan::PERSISTENT_KERNEL);
         for &k in plan::KERNELS.iter().chain(persistent.iter()) {
             let f = drv("resolving a kernel", unsafe { cu::module::get_function(module, CString::new(k).unwrap()) })?;
+            let mut regs = 0i32;
+            if unsafe { cusys::cuFuncGetAttribute(&mut regs, cusys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS, f) } == cusys::CUresult::CUDA_SUCCESS {
+                stats.kernel_regs.insert(k.to_string(), regs);
+            }
             funcs.insert(k, f);
         }
         if let Some(k) = persistent {
@@ -769,6 +807,58 @@ impl CudaEngine {
         }
         self.set_pos(self.pos)?;
         Ok(out)
+    }
+}
+
+/// The in-step timeline (a module built with THIN_TIMELINE=1).
+impl CudaEngine {
+    /// Replay `steps` greedy decode steps from the current position, each alone, reading the
+    /// kernels' start stamps after each ([`TimelineRow`]); returns the rows in step order of
+    /// first launch and the mean span from the first kernel's start to the last one's. Advances
+    /// the position.
+    pub fn timeline(&mut self, steps: usize) -> Result<(Vec<TimelineRow>, f64), CudaError> {
+        if !self.stats.timeline {
+            return Err(CudaError::Driver { what: "reading the step timeline", err: "the kernels were built without stamps: set THIN_TIMELINE=1".into() });
+        }
+        drv("binding the context", self._ctx.bind_to_thread())?;
+        let (stamps, _) = drv("finding the timeline", unsafe { cu::module::get_global(self.module, CString::new("thin_timeline").unwrap()) })?;
+        let (count, _) = drv("finding the timeline", unsafe { cu::module::get_global(self.module, CString::new("thin_timeline_n").unwrap()) })?;
+        let n = self.launches.len();
+        let steps = steps.min(self.layout.ctx.saturating_sub(self.pos + 1));
+        let mut per_launch = vec![0f64; n.saturating_sub(1)];
+        let mut span = 0f64;
+        let mut tok = self.device_tok.unwrap_or(0);
+        for _ in 0..steps {
+            drv("resetting the timeline", unsafe { cu::memcpy_htod_sync(count, &[0u32]) })?;
+            tok = self.next_greedy(tok).map_err(|e| CudaError::Driver { what: "a timeline step", err: e.to_string() })?;
+            let mut got = [0u32];
+            let mut t = vec![0u64; n];
+            drv("reading the timeline", unsafe { cu::memcpy_dtoh_sync(&mut got, count) })?;
+            if got[0] as usize != n {
+                return Err(CudaError::Driver { what: "reading the step timeline", err: format!("{} stamps for {n} launches", got[0]) });
+            }
+            drv("reading the timeline", unsafe { cu::memcpy_dtoh_sync(&mut t, stamps) })?;
+            for k in 0..n - 1 {
+                per_launch[k] += t[k + 1].saturating_sub(t[k]) as f64 / 1e3;
+            }
+            span += t[n - 1].saturating_sub(t[0]) as f64 / 1e3;
+        }
+        let steps_f = steps.max(1) as f64;
+        let mut rows: Vec<TimelineRow> = Vec::new();
+        for (k, l) in self.launches[..n - 1].iter().enumerate() {
+            let us = per_launch[k] / steps_f;
+            match rows.iter_mut().find(|r| r.kernel == l.kernel) {
+                Some(r) => {
+                    r.launches += 1;
+                    r.us_per_step += us;
+                }
+                None => rows.push(TimelineRow { kernel: l.kernel, launches: 1, us_per_launch: 0.0, us_per_step: us }),
+            }
+        }
+        for r in &mut rows {
+            r.us_per_launch = r.us_per_step / r.launches as f64;
+        }
+        Ok((rows, span / steps_f))
     }
 }
 
