@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# A/B of runtime variants in one device run: each config is "name:VAR=v,VAR=v" (environment for
+# `thin bench`), run on each model in turn, configs interleaved per model, ROUNDS times; one JSON
+# line per run with "config" added, into $OUT/ab.jsonl, and a table at the end.
+#   CONFIGS="base: stream:THIN_MATVEC_STREAM=1" MODELS="llama3.2-1b" bash bench/ab.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/thin-out}; mkdir -p "$OUT"
+BIN=${THIN_BIN:-.bin/thin}
+MODELS=${MODELS:-"smollm2-135m llama3.2-1b smollm3-3b"}
+CONFIGS=${CONFIGS:-"base:"}
+ROUNDS=${ROUNDS:-1}
+W=${WORK:-/tmp/thin-bench}
+export PYTHONUNBUFFERED=1 THIN_CACHE_DIR=$W/cache
+for d in /usr/local/cuda/lib64 $(python3 -c "import nvidia, os; print(' '.join(os.path.join(p, s, 'lib') for p in nvidia.__path__ for s in ('cuda_nvrtc', 'cu13')))" 2>/dev/null); do
+  [ -d "$d" ] && LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+done
+export LD_LIBRARY_PATH
+for m in $MODELS; do
+  [ -d "$W/hf/$m" ] || python3 bench/make_models.py "$W/hf" $m 2>&1 | grep -v Warning | grep made
+  [ -f "$W/$m.thin" ] || "$BIN" convert "$W/hf/$m" -o "$W/$m.thin" --profile bf16 --quiet || continue
+  for round in $(seq "$ROUNDS"); do
+    for c in $CONFIGS; do
+      name=${c%%:*}; vars=${c#*:}
+      env $(echo "$vars" | tr ',' ' ') "$BIN" bench "$W/$m.thin" --json --reps 1 --pp 16 --tg 16 ${BENCH_ARGS:-} \
+        | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['config']='$name'; print(json.dumps(r))" >> "$OUT/ab.jsonl" \
+        || echo "$m $name: failed"
+    done
+  done
+done
+python3 - "$OUT/ab.jsonl" <<'PY'
+import json, sys, collections
+rows = collections.defaultdict(list)
+for l in open(sys.argv[1]):
+    r = json.loads(l); rows[(r['model'], r['config'])].append(r['decode_tok_s'])
+for (m, c), v in rows.items():
+    print('%-14s %-22s decode tok/s %s' % (m, c, ' '.join('%.1f' % x for x in v)))
+PY
