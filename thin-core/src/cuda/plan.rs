@@ -302,38 +302,6 @@ pub fn matvec_grid(in_features: usize, rows: usize, nr: usize, wbytes: usize, sm
     (need.min(sm_count.max(1) * per_sm.max(1)).min(MATVEC_MAX_BLOCKS).max(1), 1, 1)
 }
 
-/// 16-byte vectors a thread of the streamed matvec keeps in flight (`THIN_STREAM_VECS`) by
-/// default: 64 KiB of ring a block.
-pub const STREAM_VECS: usize = 16;
-/// Matvec blocks per multiprocessor by default with the streamed matvec: each brings its ring,
-/// and the next kernel's blocks need room beside them to start their requests early.
-pub const STREAM_BLOCKS_PER_SM: u32 = 2;
-
-/// The streamed matvec's ring depth (the template's `Stream<IN, NR>::DEPTH`): the multiple of one
-/// output's vectors per thread (`nr` rows) nearest below `vecs`, at least one output's.
-pub fn stream_depth(in_features: usize, wbytes: usize, nr: usize, vecs: usize) -> usize {
-    let nv = in_features * wbytes / 16;
-    let per = nr * nv.div_ceil(matvec_group_threads(in_features, wbytes, nr) as usize);
-    per * (vecs / per).max(1)
-}
-
-/// Dynamic shared memory of a streamed matvec launch: its ring, 16 bytes a slot a thread.
-pub fn stream_smem_bytes(in_features: usize, wbytes: usize, nr: usize, vecs: usize) -> u32 {
-    (stream_depth(in_features, wbytes, nr, vecs) * (MATVEC_WARPS as usize * 32) * 16) as u32
-}
-
-/// (input features, weight rows per output) of each matvec kernel, `None` for the others: what
-/// the streamed matvec's ring is sized by.
-pub fn matvec_shape(kernel: &str, a: &CudaArch) -> Option<(usize, usize)> {
-    match kernel {
-        "norm_qkv" | "norm_lm_head" => Some((a.hidden, 1)),
-        "norm_gateup" => Some((a.hidden, 2)),
-        "o_residual" | "o_proj" => Some((a.heads * a.head_dim, 1)),
-        "down_residual" | "down_proj" => Some((a.ffn, 1)),
-        _ => None,
-    }
-}
-
 fn check_supported(a: &CudaArch) -> Result<(), PlanError> {
     let unsupported = |what| Err(PlanError::Unsupported { arch: a.arch.to_string(), what });
     if a.moe {
@@ -800,19 +768,6 @@ mod tests {
                 assert!(!matches!(k.kernel, "qk_rope_kv" | "attn_partial" | "attn_combine"), "{} left unfused", k.kernel);
             }
         }
-    }
-
-    #[test]
-    fn stream_ring_holds_whole_outputs() {
-        // bf16 rows of 2048: 8 vectors a thread an output, two outputs in 16 slots (64 KiB).
-        assert_eq!(stream_depth(2048, 2, 1, STREAM_VECS), 16);
-        assert_eq!(stream_smem_bytes(2048, 2, 1, STREAM_VECS), 64 * 1024);
-        // SmolLM2's 576: 3 vectors an output, 5 outputs in 15 slots.
-        assert_eq!(stream_depth(576, 2, 1, 16), 15);
-        // SmolLM3's down rows of 11008 (256 threads a row, 6 vectors each): two outputs.
-        assert_eq!(stream_depth(11008, 2, 1, 16), 12);
-        // One output's vectors even when they exceed the request.
-        assert_eq!(stream_depth(11008, 4, 1, 8), 11);
     }
 
     #[test]

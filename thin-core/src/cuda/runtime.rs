@@ -107,10 +107,6 @@ pub struct LoadStats {
     pub matvec_blocks_per_sm: u32,
     /// Registers per thread of each kernel, as the compiled module has them.
     pub kernel_regs: std::collections::BTreeMap<String, i32>,
-    /// The matvecs stream their weights through a shared-memory ring (THIN_MATVEC_STREAM=1),
-    /// of this many 16-byte vectors a thread (THIN_STREAM_VECS, default [`plan::STREAM_VECS`]).
-    pub matvec_stream: bool,
-    pub stream_vecs: usize,
 }
 
 /// Compile `source` for `target` to a cubin, or read it from the cache.
@@ -239,8 +235,6 @@ pub struct CudaEngine {
     /// (offset, bytes) of every uploaded weight in `weights`.
     offsets: std::collections::BTreeMap<(Role, Option<u32>), (usize, usize)>,
     funcs: std::collections::BTreeMap<&'static str, cusys::CUfunction>,
-    /// Dynamic shared memory of each kernel that takes some (the streamed matvecs' rings).
-    smem: std::collections::BTreeMap<&'static str, u32>,
     launches: Vec<Launch>,
     /// What prefill runs after the prompt ([`plan::epilogue_launches`]).
     epilogue: Vec<Launch>,
@@ -293,20 +287,13 @@ impl CudaEngine {
         let mut layout = Layout::new(arch, ctx, PREFILL_ROWS.min(ctx), wbytes)?;
         // THIN_MATVEC_BLOCKS_PER_SM=n caps the matvec grids at n blocks per multiprocessor (A/B
         // timing; the kernels stride over whatever grid they get).
-        let env_on = |k: &str| std::env::var_os(k).is_some_and(|v| v == "1");
-        // THIN_MATVEC_STREAM=1: the matvecs stream weights through a shared-memory ring (cp.async,
-        // sm_80+; not in the persistent step, whose blocks keep one static stage).
-        stats.matvec_stream = env_on("THIN_MATVEC_STREAM") && major >= 8 && !env_on("THIN_PERSISTENT");
-        stats.stream_vecs = std::env::var("THIN_STREAM_VECS").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&n| (1..=64).contains(&n)).unwrap_or(plan::STREAM_VECS);
-        if stats.matvec_stream {
-            layout.matvec_blocks_per_sm = plan::STREAM_BLOCKS_PER_SM;
-        }
         if let Some(n) = std::env::var("THIN_MATVEC_BLOCKS_PER_SM").ok().and_then(|v| v.parse::<u32>().ok()).filter(|&n| n > 0) {
             layout.matvec_blocks_per_sm = n;
         }
         stats.matvec_blocks_per_sm = layout.matvec_blocks_per_sm;
         // THIN_UNFUSED=1 runs the seven-kernel layer instead (A/B timing, bisecting);
         // THIN_PERSISTENT=1 the one-kernel step (where the arch has it).
+        let env_on = |k: &str| std::env::var_os(k).is_some_and(|v| v == "1");
         let fusion = if env_on("THIN_UNFUSED") {
             plan::Fusion::Unfused
         } else if env_on("THIN_PERSISTENT") {
@@ -344,21 +331,13 @@ impl CudaEngine {
             DType::F32 => arch.kernels_f32,
             other => return Err(CudaError::Weight { role: Role::TokenEmbd, layer: None, msg: format!("stored as {other:?}; the CUDA kernels read bf16 or f32") }),
         };
-        // Variants of the module, each its own cached cubin: defines in front of the source.
         stats.timeline = env_on("THIN_TIMELINE");
-        let mut defines = String::new();
-        if stats.timeline {
-            defines.push_str("#define THIN_TIMELINE 1\n");
-        }
-        if stats.matvec_stream {
-            defines.push_str(&format!("#define THIN_MATVEC_STREAM 1\n#define THIN_STREAM_VECS {}\n", stats.stream_vecs));
-        }
-        let variant;
-        let source = if defines.is_empty() {
-            source
+        let stamped;
+        let source = if stats.timeline {
+            stamped = format!("#define THIN_TIMELINE 1\n{source}");
+            stamped.as_str()
         } else {
-            variant = format!("{defines}{source}");
-            variant.as_str()
+            source
         };
         let (cubin, hit, compile_s) = compiled_cubin(source, arch.arch, &stats.gpu_target, dv)?;
         stats.kernel_cache_hit = hit;
@@ -374,17 +353,6 @@ impl CudaEngine {
                 stats.kernel_regs.insert(k.to_string(), regs);
             }
             funcs.insert(k, f);
-        }
-        let mut smem = std::collections::BTreeMap::new();
-        if stats.matvec_stream {
-            for &k in plan::KERNELS {
-                if let Some((inf, nr)) = plan::matvec_shape(k, arch) {
-                    let bytes = plan::stream_smem_bytes(inf, wbytes, nr, stats.stream_vecs);
-                    let attr = cusys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-                    drv("sizing a streamed matvec's ring", unsafe { cusys::cuFuncSetAttribute(funcs[k], attr, bytes as i32) }.result())?;
-                    smem.insert(k, bytes);
-                }
-            }
         }
         if let Some(k) = persistent {
             // As many blocks per multiprocessor as stay resident (a cooperative launch needs them
@@ -469,7 +437,6 @@ impl CudaEngine {
             weights,
             offsets,
             funcs,
-            smem,
             launches,
             epilogue,
             spec: arch.clone(),
@@ -557,9 +524,8 @@ impl CudaEngine {
             })
             .collect();
         let cooperative = l.kernel == plan::PERSISTENT_KERNEL;
-        let smem = self.smem.get(l.kernel).copied().unwrap_or(0);
         if !pdl && !cooperative {
-            return drv("launching a kernel", unsafe { cu::launch_kernel(f, l.grid, (l.block, 1, 1), smem, self.stream.cu_stream(), &mut params) });
+            return drv("launching a kernel", unsafe { cu::launch_kernel(f, l.grid, (l.block, 1, 1), 0, self.stream.cu_stream(), &mut params) });
         }
         // The persistent step's blocks wait for each other: a cooperative launch, which the driver
         // refuses rather than run with blocks that are not all resident at once.
@@ -578,7 +544,7 @@ impl CudaEngine {
             blockDimX: l.block,
             blockDimY: 1,
             blockDimZ: 1,
-            sharedMemBytes: smem,
+            sharedMemBytes: 0,
             hStream: self.stream.cu_stream(),
             attrs: &mut attr,
             numAttrs: 1,
