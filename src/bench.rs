@@ -17,7 +17,12 @@ pub trait BenchEngine: Engine {
     fn greedy(&mut self, token: u32) -> anyhow::Result<u32> {
         Ok(argmax(&self.decode_step(token)?))
     }
+    /// Device memory the engine's own buffers hold (weights, activations, KV cache).
     fn device_bytes(&self) -> Option<usize> {
+        None
+    }
+    /// Device memory the engine has added since its context existed, as the driver counts it.
+    fn measured_device_bytes(&self) -> Option<usize> {
         None
     }
     fn load_stats(&self) -> serde_json::Value {
@@ -40,6 +45,9 @@ impl BenchEngine for thin_core::cuda::runtime::CudaEngine {
     }
     fn device_bytes(&self) -> Option<usize> {
         Some(thin_core::cuda::runtime::CudaEngine::device_bytes(self))
+    }
+    fn measured_device_bytes(&self) -> Option<usize> {
+        thin_core::cuda::runtime::CudaEngine::measured_device_bytes(self).ok()
     }
     fn load_stats(&self) -> serde_json::Value {
         serde_json::to_value(&self.stats).unwrap_or_default()
@@ -171,7 +179,12 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     }
     let (pp_m, pp_sd) = mean_sd(&pp);
     let (tg_m, tg_sd) = mean_sd(&tg);
-    let peak = BenchEngine::device_bytes(&e).map(|b| b as f64 / (1u64 << 30) as f64);
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    // peak_gib: what the driver says the engine added (its buffers, module, graph, cuBLAS
+    // workspace), read after every timed run (nothing is freed before the engine drops);
+    // held_gib: its own buffers alone.
+    let held = BenchEngine::device_bytes(&e).map(gib);
+    let peak = BenchEngine::measured_device_bytes(&e).map(gib);
     let rec = json!({
         "model": name,
         "profile": profile,
@@ -183,6 +196,8 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
         "pp": {"n": opts.pp, "mean": pp_m, "sd": pp_sd, "reps": pp},
         "tg": {"n": opts.tg, "mean": tg_m, "sd": tg_sd, "reps": tg},
         "peak_gib": peak,
+        "peak_method": "cuMemGetInfo used at the end minus used once the CUDA context existed",
+        "held_gib": held,
         "cold_start_to_first_token_s": first_token_s,
         "load": e.load_stats(),
         "kernels": kernels,
@@ -196,8 +211,8 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
         println!("|---|---|---|");
         println!("| {} {} | pp{} | {:.1} ± {:.1} |", name, profile, opts.pp, pp_m, pp_sd);
         println!("| {} {} | tg{} | {:.1} ± {:.1} |", name, profile, opts.tg, tg_m, tg_sd);
-        if let Some(p) = peak {
-            println!("device memory held: {p:.3} GiB; cold start to first token {first_token_s:.2} s");
+        if let (Some(p), Some(h)) = (peak, held) {
+            println!("device memory: peak {p:.3} GiB (driver count), buffers {h:.3} GiB; cold start to first token {first_token_s:.2} s");
         }
         if let Some(t) = &timeline {
             println!("in-step timeline over {} steps (start of the first kernel to start of the last: {:.1} µs)", t["steps"], t["first_to_last_start_us"].as_f64().unwrap_or(0.0));

@@ -13,6 +13,9 @@ pub const MATVEC_WARPS: u32 = 8;
 pub const ATTN_WARPS: u32 = 4;
 /// KV-cache rows per attention block (flash-decoding split).
 pub const ATTN_CHUNK: usize = 64;
+/// Splits of one head's decode attention per thread-block cluster on sm_90+ (the kernel's
+/// `ATTN_CLUSTER`): they merge through distributed shared memory. The split count is a multiple.
+pub const ATTN_CLUSTER: usize = 8;
 /// Matvec grids stop growing at this many blocks per multiprocessor (what their `__launch_bounds__`
 /// keeps resident); blocks then stride over the rows.
 pub const MATVEC_BLOCKS_PER_SM: u32 = 4;
@@ -179,7 +182,7 @@ impl Layout {
         if ctx == 0 || ctx > a.max_positions {
             return Err(PlanError::Context { ctx, max: a.max_positions });
         }
-        let splits = ctx.div_ceil(ATTN_CHUNK);
+        let splits = ctx.div_ceil(ATTN_CHUNK).next_multiple_of(ATTN_CLUSTER);
         let (q, kv) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
         let half = a.head_dim / 2;
         let mut sizes: Vec<(Buf, usize)> = vec![
@@ -702,8 +705,9 @@ mod tests {
         }
         assert_eq!(l.get(Buf::KCache(2)).unwrap().1, 100 * 2 * 32 * 2);
         assert_eq!(l.kv_bytes(), 3 * 2 * 100 * 64 * 2);
-        assert_eq!(l.splits, 2);
-        assert_eq!(l.get(Buf::Part).unwrap().1, 4 * 2 * 34 * 4);
+        // 100 positions: 2 chunks of 64, rounded up to a whole cluster of splits.
+        assert_eq!(l.splits, ATTN_CLUSTER);
+        assert_eq!(l.get(Buf::Part).unwrap().1, 4 * ATTN_CLUSTER * 34 * 4);
         assert!(l.get(Buf::Cos(RopeTable::Local)).is_none(), "no layer uses the local table");
         let (last, off, n) = regions.last().copied().unwrap();
         assert!(off + n <= l.total_bytes, "{last:?}");
@@ -744,7 +748,8 @@ mod tests {
         assert!(w.contains(&(Role::FfnDown, Some(3))));
         assert!(!w.contains(&(Role::LmHead, None)));
         let attn = launches.iter().find(|x| x.kernel == "attn_partial").unwrap();
-        assert_eq!(attn.grid, (4, 4, 1));
+        // 256 positions: 4 chunks of 64, rounded up to a whole cluster of splits.
+        assert_eq!(attn.grid, (4, ATTN_CLUSTER as u32, 1));
     }
 
     #[test]

@@ -103,10 +103,22 @@ pub struct LoadStats {
     pub persistent_blocks: u32,
     /// The kernels stamp the in-step timeline (THIN_TIMELINE=1; see [`CudaEngine::timeline`]).
     pub timeline: bool,
+    /// Decode attention merges within thread-block clusters (sm_90+; off: THIN_NO_ATTN_CLUSTER=1).
+    pub attn_cluster: bool,
     /// The matvec grids' cap per multiprocessor ([`plan::Layout::matvec_blocks_per_sm`]).
     pub matvec_blocks_per_sm: u32,
     /// Registers per thread of each kernel, as the compiled module has them.
     pub kernel_regs: std::collections::BTreeMap<String, i32>,
+    /// Device memory in use (cuMemGetInfo: total - free) once the context and stream existed,
+    /// before this engine allocated anything: what [`CudaEngine::measured_device_bytes`] subtracts.
+    pub context_bytes: usize,
+}
+
+/// Device memory in use on the current context's GPU (total - free), all processes.
+fn device_used_bytes() -> Result<usize, CudaError> {
+    let (mut free, mut total) = (0usize, 0usize);
+    drv("reading device memory in use", unsafe { cusys::cuMemGetInfo_v2(&mut free, &mut total) }.result())?;
+    Ok(total.saturating_sub(free))
 }
 
 /// Compile `source` for `target` to a cubin, or read it from the cache.
@@ -274,6 +286,7 @@ impl CudaEngine {
         unsafe { cuda_ctx.disable_event_tracking() };
         let stream = drv("creating a stream", cuda_ctx.new_stream())?;
         let mut stats = LoadStats { device: cuda_ctx.name().unwrap_or_default(), ..Default::default() };
+        stats.context_bytes = device_used_bytes()?;
         let (major, minor) = drv("reading the compute capability", cuda_ctx.compute_capability())?;
         stats.gpu_target = format!("sm_{major}{minor}");
         let mut dv = 0i32;
@@ -331,13 +344,24 @@ impl CudaEngine {
             DType::F32 => arch.kernels_f32,
             other => return Err(CudaError::Weight { role: Role::TokenEmbd, layer: None, msg: format!("stored as {other:?}; the CUDA kernels read bf16 or f32") }),
         };
+        // Variants of the module, each its own cached cubin: defines in front of the source.
+        // THIN_TIMELINE=1: the kernels stamp the in-step timeline; THIN_NO_ATTN_CLUSTER=1: decode
+        // attention merges its splits through global memory alone, as before sm_90 (A/B timing).
         stats.timeline = env_on("THIN_TIMELINE");
-        let stamped;
-        let source = if stats.timeline {
-            stamped = format!("#define THIN_TIMELINE 1\n{source}");
-            stamped.as_str()
-        } else {
+        stats.attn_cluster = major >= 9 && !env_on("THIN_NO_ATTN_CLUSTER");
+        let mut defines = String::new();
+        if stats.timeline {
+            defines.push_str("#define THIN_TIMELINE 1\n");
+        }
+        if major >= 9 && !stats.attn_cluster {
+            defines.push_str("#define THIN_NO_ATTN_CLUSTER 1\n");
+        }
+        let variant;
+        let source = if defines.is_empty() {
             source
+        } else {
+            variant = format!("{defines}{source}");
+            variant.as_str()
         };
         let (cubin, hit, compile_s) = compiled_cubin(source, arch.arch, &stats.gpu_target, dv)?;
         stats.kernel_cache_hit = hit;
@@ -677,6 +701,14 @@ impl CudaEngine {
     /// Bytes this engine holds on the device (weights + activations + KV cache).
     pub fn device_bytes(&self) -> usize {
         self.stats.weight_bytes + self.arena.bytes
+    }
+
+    /// Device memory this engine has added since its context existed, as the driver counts it
+    /// (cuMemGetInfo): its own buffers plus the kernel module, the captured graph and cuBLAS's
+    /// workspace. Nothing is freed while the engine lives, so the value at the end of a run is
+    /// that run's peak. Other processes on the same GPU would count too.
+    pub fn measured_device_bytes(&self) -> Result<usize, CudaError> {
+        Ok(device_used_bytes()?.saturating_sub(self.stats.context_bytes))
     }
 }
 
