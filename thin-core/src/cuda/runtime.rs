@@ -55,7 +55,10 @@ impl DeviceBuffer {
     fn new(bytes: usize, zeroed: bool, what: &'static str) -> Result<Self, CudaError> {
         let ptr = drv(what, unsafe { cu::malloc_sync(bytes.max(1)) })?;
         if zeroed {
+            // cuMemsetD8 is asynchronous to the host on the legacy stream: wait for it, so no
+            // upload on the engine's stream can land before the clear.
             drv(what, unsafe { cu::memset_d8_sync(ptr, 0, bytes.max(1)) })?;
+            drv(what, cu::ctx::synchronize())?;
         }
         Ok(DeviceBuffer { ptr, bytes })
     }
@@ -112,6 +115,14 @@ pub struct LoadStats {
     /// Device memory in use (cuMemGetInfo: total - free) once the context and stream existed,
     /// before this engine allocated anything: what [`CudaEngine::measured_device_bytes`] subtracts.
     pub context_bytes: usize,
+}
+
+/// Copy `data` to device address `dst` in `stream`'s order and wait for it to land. (The
+/// synchronous cuMemcpyHtoD is not enough: from pageable memory it may return before the DMA
+/// has landed, and kernels on a non-blocking stream are not ordered after it.)
+fn upload<T>(stream: &CudaStream, dst: u64, data: &[T], what: &'static str) -> Result<(), CudaError> {
+    drv(what, unsafe { cu::memcpy_htod_async(dst, data, stream.cu_stream()) })?;
+    drv(what, unsafe { cu::stream::synchronize(stream.cu_stream()) })
 }
 
 /// Device memory in use on the current context's GPU (total - free), all processes.
@@ -421,7 +432,7 @@ impl CudaEngine {
             None
         };
         for (bytes, off) in sources {
-            drv("uploading weights", unsafe { cu::memcpy_htod_sync(weights.ptr + off as u64, &bytes[..]) })?;
+            upload(&stream, weights.ptr + off as u64, &bytes[..], "uploading weights")?;
             if let Some(b) = &bar {
                 b.inc(bytes.len() as u64);
             }
@@ -435,8 +446,8 @@ impl CudaEngine {
         for t in [RopeTable::Global, RopeTable::Local] {
             if let (Some((co, _)), Some((so, _))) = (layout.get(Buf::Cos(t)), layout.get(Buf::Sin(t))) {
                 let (c, s) = plan::rope_tables(arch, t, ctx);
-                drv("uploading RoPE tables", unsafe { cu::memcpy_htod_sync(arena.ptr + co as u64, &c) })?;
-                drv("uploading RoPE tables", unsafe { cu::memcpy_htod_sync(arena.ptr + so as u64, &s) })?;
+                upload(&stream, arena.ptr + co as u64, &c, "uploading RoPE tables")?;
+                upload(&stream, arena.ptr + so as u64, &s, "uploading RoPE tables")?;
             }
         }
         stats.upload_s = t.elapsed().as_secs_f64();
@@ -731,7 +742,7 @@ impl CudaEngine {
             return Err(CudaError::Driver { what: "writing a buffer", err: format!("{} bytes into {b:?} of {n}", data.len()) });
         }
         drv("binding the context", self._ctx.bind_to_thread())?;
-        drv("writing a buffer", unsafe { cu::memcpy_htod_sync(self.buf(b), data) })
+        upload(&self.stream, self.buf(b), data, "writing a buffer")
     }
 
     /// The whole of buffer `b`.
@@ -861,7 +872,7 @@ impl CudaEngine {
         let mut span = 0f64;
         let mut tok = self.device_tok.unwrap_or(0);
         for _ in 0..steps {
-            drv("resetting the timeline", unsafe { cu::memcpy_htod_sync(count, &[0u32]) })?;
+            upload(&self.stream, count, &[0u32], "resetting the timeline")?;
             tok = self.next_greedy(tok).map_err(|e| CudaError::Driver { what: "a timeline step", err: e.to_string() })?;
             let mut got = [0u32];
             let mut t = vec![0u64; n];
@@ -920,7 +931,7 @@ impl crate::engine::Engine for CudaEngine {
     fn reset(&mut self) {
         let _ = self._ctx.bind_to_thread();
         let z = [0i32];
-        let _ = unsafe { cu::memcpy_htod_sync(self.buf(Buf::Pos), &z) };
+        let _ = upload(&self.stream, self.buf(Buf::Pos), &z, "resetting the position");
         self.pos = 0;
         self.device_tok = None;
     }
