@@ -1,6 +1,7 @@
 // A minimal CUDA emulator for scripts/emu/run.sh: one block at a time, one std::thread per CUDA thread.
 // Minimal CUDA emulator: one block at a time, one std::thread per CUDA thread.
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <cstdint>
 #include <algorithm>
@@ -46,6 +47,7 @@ inline int __shfl_xor_sync(unsigned, int v, int o) {
 }
 inline void __nanosleep(unsigned) { std::this_thread::yield(); }
 inline float __expf(float x) { return expf(x); }
+inline void __trap() { std::abort(); }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 using std::max; using std::min;
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
