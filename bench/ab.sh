@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # A/B of runtime variants in one device run: each config is "name:VAR=v,VAR=v" (environment for
 # `thin bench`), run on each model in turn, configs interleaved per model, ROUNDS times; one JSON
-# line per run with "config" added, into $OUT/ab.jsonl, and a table at the end.
+# line per run with "config" added, into $OUT/ab.jsonl, and a table at the end. BIN=path in a
+# config runs that binary instead (A/B of builds: kernel constants are compiled in).
 #   CONFIGS="base: stream:THIN_MATVEC_STREAM=1" MODELS="llama3.2-1b" bash bench/ab.sh
+#   CONFIGS="base: w8:BIN=.bin/thin-w8" bash bench/ab.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/thin-out}; mkdir -p "$OUT"
 BIN=${THIN_BIN:-.bin/thin}
@@ -20,8 +22,9 @@ for m in $MODELS; do
   [ -f "$W/$m.thin" ] || "$BIN" convert "$W/hf/$m" -o "$W/$m.thin" --profile bf16 --quiet || continue
   for round in $(seq "$ROUNDS"); do
     for c in $CONFIGS; do
-      name=${c%%:*}; vars=${c#*:}
-      env $(echo "$vars" | tr ',' ' ') "$BIN" bench "$W/$m.thin" --json --reps 1 --pp 16 --tg 16 ${BENCH_ARGS:-} \
+      name=${c%%:*}; vars=${c#*:}; bin=$BIN
+      for v in $(echo "$vars" | tr ',' ' '); do [ "${v%%=*}" = BIN ] && bin=${v#BIN=}; done
+      env $(echo "$vars" | tr ',' '\n' | grep -v '^BIN=') "$bin" bench "$W/$m.thin" --json --reps 1 --pp 16 --tg 16 ${BENCH_ARGS:-} \
         | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['config']='$name'; print(json.dumps(r))" >> "$OUT/ab.jsonl" \
         || echo "$m $name: failed"
     done

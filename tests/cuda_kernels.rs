@@ -41,9 +41,9 @@ use thin_core::role::Role;
 const CTX: usize = 4096;
 /// Prompt rows of the prefill checks.
 const ROWS: usize = 7;
-/// Positions of the attention checks: the first; 150 (10 decode splits of 16 rows); 329 (21
+/// Positions of the attention checks: the first; 150 (5 decode splits of 32 rows, one cluster); 329 (11
 /// splits: the span past 256 rows where H200 fidelity after a 128-token prompt degraded, see
-/// README); 2000 (64 splits of 32 rows).
+/// README; two clusters); 2000 (63 splits of 32 rows, eight clusters).
 const POSITIONS: [usize; 4] = [0, 150, 329, 2000];
 /// f32 outputs of the thin kernels: f32 sums in another order, rsqrtf and __expf stay near 1e-6.
 const TOL_F32: f32 = 1e-4;

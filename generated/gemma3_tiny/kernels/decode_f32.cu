@@ -19,7 +19,7 @@ constexpr float EMB_SCALE = 8e0f;
 constexpr float ATTN_SCALE = 1.7677669529663687e-1f;
 constexpr int ATTN_CHUNK = 64;
 constexpr int MATVEC_WARPS = 8;
-constexpr int ATTN_WARPS = 4;
+constexpr int ATTN_WARPS = 8;
 constexpr int MATVEC_THREADS = MATVEC_WARPS * 32;  // block of every matvec and row-norm kernel
 constexpr int DPL = HEAD_DIM / 32;  // head dims per lane in attention
 static_assert(HEAD_DIM % 32 == 0, "attention puts HEAD_DIM/32 dims on each lane");

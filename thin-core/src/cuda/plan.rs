@@ -9,8 +9,9 @@ use crate::role::Role;
 /// Warps per block of every matvec kernel (one output row per warp at a time). The kernel
 /// template receives the same constant, so plan and kernels cannot disagree.
 pub const MATVEC_WARPS: u32 = 8;
-/// Warps per block of the split attention kernel.
-pub const ATTN_WARPS: u32 = 4;
+/// Warps per block of the split attention kernel: a load round covers 4 rows per warp, so one
+/// cluster of 8 single-round blocks takes 256 rows (run 22: 8 beat 4 and 16).
+pub const ATTN_WARPS: u32 = 8;
 /// KV-cache rows per attention block (flash-decoding split).
 pub const ATTN_CHUNK: usize = 64;
 /// Splits of one head's decode attention per thread-block cluster on sm_90+ (the kernel's
