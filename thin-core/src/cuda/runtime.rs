@@ -314,6 +314,10 @@ impl CudaEngine {
         if let Some(n) = std::env::var("THIN_MATVEC_BLOCKS_PER_SM").ok().and_then(|v| v.parse::<u32>().ok()).filter(|&n| n > 0) {
             layout.matvec_blocks_per_sm = n;
         }
+        // THIN_DOWN_BLOCKS_PER_SM=n: the same for the down projection alone (A/B timing).
+        if let Some(n) = std::env::var("THIN_DOWN_BLOCKS_PER_SM").ok().and_then(|v| v.parse::<u32>().ok()).filter(|&n| n > 0) {
+            layout.down_blocks_per_sm = n;
+        }
         stats.matvec_blocks_per_sm = layout.matvec_blocks_per_sm;
         // THIN_UNFUSED=1 runs the seven-kernel layer instead (A/B timing, bisecting);
         // THIN_PERSISTENT=1 the one-kernel step (where the arch has it).
