@@ -22,9 +22,9 @@ for m in $MODELS; do
   [ -f "$W/$m.thin" ] || "$BIN" convert "$W/hf/$m" -o "$W/$m.thin" --profile bf16 --quiet || continue
   for round in $(seq "$ROUNDS"); do
     for c in $CONFIGS; do
-      name=${c%%:*}; vars=${c#*:}; bin=$BIN
-      for v in $(echo "$vars" | tr ',' ' '); do [ "${v%%=*}" = BIN ] && bin=${v#BIN=}; done
-      env $(echo "$vars" | tr ',' '\n' | grep -v '^BIN=') "$bin" bench "$W/$m.thin" --json --reps 1 --pp 16 --tg 16 ${BENCH_ARGS:-} \
+      name=${c%%:*}; bin=$BIN; envs=()
+      for v in $(echo "${c#*:}" | tr ',' ' '); do case $v in BIN=*) bin=${v#BIN=} ;; *) envs+=("$v") ;; esac; done
+      env ${envs[@]+"${envs[@]}"} "$bin" bench "$W/$m.thin" --json --reps 1 --pp 16 --tg 16 ${BENCH_ARGS:-} \
         | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['config']='$name'; print(json.dumps(r))" >> "$OUT/ab.jsonl" \
         || echo "$m $name: failed"
     done

@@ -1,5 +1,4 @@
 // A minimal CUDA emulator for scripts/emu/run.sh: one block at a time, one std::thread per CUDA thread.
-// Minimal CUDA emulator: one block at a time, one std::thread per CUDA thread.
 #include <cmath>
 #include <cstdlib>
 #include <cstring>

@@ -166,9 +166,10 @@ pub struct Layout {
     /// Matvec grids stop growing at this many blocks per multiprocessor (default
     /// [`MATVEC_BLOCKS_PER_SM`]; fewer leave room for the next kernel's blocks to start early).
     pub matvec_blocks_per_sm: u32,
-    /// The same cap for the FFN down projection alone (default: `matvec_blocks_per_sm`, 0); its
-    /// blocks each stage the whole FFN-wide input, so fewer blocks read less of it from L2.
-    pub down_blocks_per_sm: u32,
+    /// The same cap for the FFN down projection alone (None: `matvec_blocks_per_sm`). An A/B knob:
+    /// each down block stages the whole FFN-wide input, fewer blocks read less of it from L2, but
+    /// 2 or 3 a multiprocessor were slower than 4 on the H200 (run 23).
+    pub down_blocks_per_sm: Option<u32>,
     /// Most prompt tokens one prefill pass takes (longer prompts go in chunks).
     pub prefill_rows: usize,
     pub total_bytes: usize,
@@ -233,7 +234,7 @@ impl Layout {
             regions.insert(b, (off, n));
             off += align(n);
         }
-        Ok(Layout { ctx, wbytes, splits, matvec_blocks_per_sm: MATVEC_BLOCKS_PER_SM, down_blocks_per_sm: 0, prefill_rows: r, total_bytes: off, regions })
+        Ok(Layout { ctx, wbytes, splits, matvec_blocks_per_sm: MATVEC_BLOCKS_PER_SM, down_blocks_per_sm: None, prefill_rows: r, total_bytes: off, regions })
     }
 
     /// (offset, bytes) of a buffer; `None` if this arch does not use it.
@@ -620,8 +621,7 @@ fn mlp_launches(a: &CudaArch, layout: &Layout, l: usize, sm_count: u32, out: &mu
         block,
         args: vec![Arg::Buf(Buf::X), w(Role::FfnNorm), w(Role::FfnGate), w(Role::FfnUp), Arg::Buf(Buf::Act)],
     });
-    let per_sm = if layout.down_blocks_per_sm > 0 { layout.down_blocks_per_sm } else { layout.matvec_blocks_per_sm };
-    let grid = matvec_grid(a.ffn, a.hidden, 1, layout.wbytes, sm_count, per_sm);
+    let grid = matvec_grid(a.ffn, a.hidden, 1, layout.wbytes, sm_count, layout.down_blocks_per_sm.unwrap_or(layout.matvec_blocks_per_sm));
     if a.sandwich {
         out.push(Launch { kernel: "down_proj", grid, block, args: vec![Arg::Buf(Buf::Act), w(Role::FfnDown), Arg::Buf(Buf::O)] });
         out.push(Launch { kernel: "norm_residual", grid: (1, 1, 1), block: 256, args: vec![Arg::Buf(Buf::O), w(Role::FfnPostNorm), Arg::Buf(Buf::X)] });
@@ -790,7 +790,7 @@ mod tests {
         };
         let base = grids(&l);
         assert!(base.contains(&("down_residual", 132 * MATVEC_BLOCKS_PER_SM)));
-        l.down_blocks_per_sm = 2;
+        l.down_blocks_per_sm = Some(2);
         let capped = grids(&l);
         for (b, c) in base.iter().zip(&capped) {
             assert_eq!(c.1, if b.0 == "down_residual" { 264 } else { b.1 }, "{}", b.0);

@@ -83,6 +83,11 @@ pub fn cache_dir() -> PathBuf {
     std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir).join(".cache").join("thin")
 }
 
+/// A count from the environment (A/B and tuning knobs); unset or not a number: None.
+fn env_u32(key: &str) -> Option<u32> {
+    std::env::var(key).ok().and_then(|v| v.parse::<u32>().ok())
+}
+
 /// How the engine came up: for the CLI's report and for benchmarks.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct LoadStats {
@@ -311,13 +316,11 @@ impl CudaEngine {
         let mut layout = Layout::new(arch, ctx, PREFILL_ROWS.min(ctx), wbytes)?;
         // THIN_MATVEC_BLOCKS_PER_SM=n caps the matvec grids at n blocks per multiprocessor (A/B
         // timing; the kernels stride over whatever grid they get).
-        if let Some(n) = std::env::var("THIN_MATVEC_BLOCKS_PER_SM").ok().and_then(|v| v.parse::<u32>().ok()).filter(|&n| n > 0) {
+        if let Some(n) = env_u32("THIN_MATVEC_BLOCKS_PER_SM").filter(|&n| n > 0) {
             layout.matvec_blocks_per_sm = n;
         }
         // THIN_DOWN_BLOCKS_PER_SM=n: the same for the down projection alone (A/B timing).
-        if let Some(n) = std::env::var("THIN_DOWN_BLOCKS_PER_SM").ok().and_then(|v| v.parse::<u32>().ok()).filter(|&n| n > 0) {
-            layout.down_blocks_per_sm = n;
-        }
+        layout.down_blocks_per_sm = env_u32("THIN_DOWN_BLOCKS_PER_SM").filter(|&n| n > 0);
         stats.matvec_blocks_per_sm = layout.matvec_blocks_per_sm;
         // THIN_UNFUSED=1 runs the seven-kernel layer instead (A/B timing, bisecting);
         // THIN_PERSISTENT=1 the one-kernel step (where the arch has it).
@@ -400,7 +403,7 @@ impl CudaEngine {
             let mut occ = 0i32;
             let block = launches[0].block as i32;
             drv("querying the persistent step's occupancy", unsafe { cusys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut occ, funcs[k], block, 0) }.result())?;
-            let per_sm = std::env::var("THIN_PERSISTENT_BLOCKS_PER_SM").ok().and_then(|v| v.parse::<u32>().ok()).unwrap_or((occ.max(0) as u32).min(plan::PERSISTENT_MAX_BLOCKS_PER_SM));
+            let per_sm = env_u32("THIN_PERSISTENT_BLOCKS_PER_SM").unwrap_or((occ.max(0) as u32).min(plan::PERSISTENT_MAX_BLOCKS_PER_SM));
             if per_sm == 0 {
                 return Err(CudaError::Driver { what: "planning the persistent step", err: "not one block of it fits a multiprocessor".into() });
             }
