@@ -237,6 +237,14 @@ impl Layout {
         Ok(Layout { ctx, wbytes, splits, matvec_blocks_per_sm: MATVEC_BLOCKS_PER_SM, down_blocks_per_sm: None, prefill_rows: r, total_bytes: off, regions })
     }
 
+    /// At most `max` decode attention splits a head (rounded down to whole clusters, at least one):
+    /// each split is a block of the attention grid, and blocks past the visible span only exit, so
+    /// a grid sized for the whole context spends launch slots on empty blocks at short spans. The
+    /// partial buffer keeps its size (an upper bound).
+    pub fn limit_splits(&mut self, max: usize) {
+        self.splits = self.splits.min((max / ATTN_CLUSTER).max(1) * ATTN_CLUSTER);
+    }
+
     /// (offset, bytes) of a buffer; `None` if this arch does not use it.
     pub fn get(&self, b: Buf) -> Option<(usize, usize)> {
         self.regions.get(&b).copied()
@@ -778,6 +786,21 @@ mod tests {
                 assert!(!matches!(k.kernel, "qk_rope_kv" | "attn_partial" | "attn_combine"), "{} left unfused", k.kernel);
             }
         }
+    }
+
+    #[test]
+    fn attention_splits_limit_to_whole_clusters() {
+        let a = llama_like(1);
+        let mut l = Layout::new(&a, 4096, 32, 2).unwrap();
+        assert_eq!(l.splits, 4096 / ATTN_CHUNK);
+        let part = l.get(Buf::Part).unwrap();
+        l.limit_splits(3 * ATTN_CLUSTER + 1);
+        assert_eq!(l.splits, 3 * ATTN_CLUSTER);
+        l.limit_splits(1);
+        assert_eq!(l.splits, ATTN_CLUSTER, "never below one cluster");
+        assert_eq!(l.get(Buf::Part).unwrap(), part, "the partial buffer keeps its (upper-bound) size");
+        let attn = decode_launches(&a, &l, 132, Fusion::Fused).unwrap().into_iter().find(|x| x.kernel == "attn_decode").unwrap();
+        assert_eq!(attn.grid, (4, ATTN_CLUSTER as u32, 1));
     }
 
     #[test]

@@ -115,6 +115,8 @@ pub struct LoadStats {
     pub attn_cluster: bool,
     /// The matvec grids' cap per multiprocessor ([`plan::Layout::matvec_blocks_per_sm`]).
     pub matvec_blocks_per_sm: u32,
+    /// Decode attention splits a head ([`plan::Layout::splits`]).
+    pub attn_splits: usize,
     /// Registers per thread of each kernel, as the compiled module has them.
     pub kernel_regs: std::collections::BTreeMap<String, i32>,
     /// Device memory in use (cuMemGetInfo: total - free) once the context and stream existed,
@@ -322,6 +324,11 @@ impl CudaEngine {
         // THIN_DOWN_BLOCKS_PER_SM=n: the same for the down projection alone (A/B timing).
         layout.down_blocks_per_sm = env_u32("THIN_DOWN_BLOCKS_PER_SM").filter(|&n| n > 0);
         stats.matvec_blocks_per_sm = layout.matvec_blocks_per_sm;
+        // THIN_ATTN_SPLITS=n: at most n decode attention splits a head (A/B timing).
+        if let Some(n) = env_u32("THIN_ATTN_SPLITS").filter(|&n| n > 0) {
+            layout.limit_splits(n as usize);
+        }
+        stats.attn_splits = layout.splits;
         // THIN_UNFUSED=1 runs the seven-kernel layer instead (A/B timing, bisecting);
         // THIN_PERSISTENT=1 the one-kernel step (where the arch has it).
         let env_on = |k: &str| std::env::var_os(k).is_some_and(|v| v == "1");
