@@ -789,6 +789,25 @@ mod tests {
     }
 
     #[test]
+    fn residual_adds_follow_a_kernel_that_leaves_the_residual_alone() {
+        // o_residual and down_residual read their residual rows before their PDL wait (the
+        // matvec template's `res`): the kernel just before them must not write X.
+        const LEAVE_X: &[&str] = &["attn_decode", "attn_combine", "norm_gateup"];
+        for fusion in [Fusion::Fused, Fusion::Unfused] {
+            let a = llama_like(3);
+            let launches = decode_launches(&a, &Layout::new(&a, 256, 32, 2).unwrap(), 132, fusion).unwrap();
+            let mut seen = 0;
+            for w in launches.windows(2) {
+                if matches!(w[1].kernel, "o_residual" | "down_residual") {
+                    assert!(LEAVE_X.contains(&w[0].kernel), "{} comes right after {}", w[1].kernel, w[0].kernel);
+                    seen += 1;
+                }
+            }
+            assert_eq!(seen, 2 * 3);
+        }
+    }
+
+    #[test]
     fn attention_splits_limit_to_whole_clusters() {
         let a = llama_like(1);
         let mut l = Layout::new(&a, 4096, 32, 2).unwrap();
