@@ -4,6 +4,10 @@
 One row per (model, engine): run_id, commit, date, gpu, model, profile, engine, decode_tok_s,
 prefill_tok_s (pp512), peak_gib, min_cosine, top1_match, top5_set (fidelity: the worst of the
 prompt lengths measured; HF rows are the reference and carry none).
+
+    AB_CONFIG=name python3 bench/collect.py OUT_DIR COMMIT
+also takes bench/ab.sh's rows of that config from OUT_DIR/ab.jsonl, one row per round, with
+"config" and "method" added: decode only (ab.sh runs --pp 16 --tg 16, so prefill_tok_s is None).
 """
 import datetime, json, os, sys
 
@@ -35,6 +39,14 @@ def main(out, commit, results="bench/results/h200.jsonl"):
                          top5_set=min((x["top5_set"] for x in f), default=None),
                          tg128=r["tg"]["mean"], tg128_sd=r["tg"]["sd"], pp512_sd=r["pp"]["sd"],
                          cold_start_s=r.get("cold_start_to_first_token_s")))
+    ab = os.environ.get("AB_CONFIG")
+    for r in lines(os.path.join(out, "ab.jsonl")) if ab else []:
+        if r.get("config") != ab:
+            continue
+        rows.append(dict(run_id=run_id, commit=commit, date=date, gpu=gpu, model=r["model"], profile=r["profile"], engine="thin",
+                         decode_tok_s=r["decode_tok_s"], prefill_tok_s=None, peak_gib=r["peak_gib"],
+                         min_cosine=None, top1_match=None, top5_set=None,
+                         config=ab, method="bench/ab.sh: thin bench --reps 1 --pp 16 --tg 16 (reference decode method)"))
     for mode in ("compiled", "eager"):
         for r in lines(os.path.join(out, f"peer_{mode}.jsonl")):
             if "model" not in r or "tok_s" not in r:
