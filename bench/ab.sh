@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# A/B of runtime variants in one device run: each config is "name:VAR=v,VAR=v" (environment for
-# `thin bench`), run on each model in turn, configs interleaved per model, ROUNDS times; one JSON
-# line per run with "config" added, into $OUT/ab.jsonl, and a table at the end. BIN=path in a
-# config runs that binary instead (A/B of builds: kernel constants are compiled in).
-#   CONFIGS="base: stream:THIN_MATVEC_STREAM=1" MODELS="llama3.2-1b" bash bench/ab.sh
-#   CONFIGS="base: w8:BIN=.bin/thin-w8" bash bench/ab.sh
+# A/B of builds in one device run: each config is "name:BIN=path" (a binary carried in .bin;
+# further VAR=v items are environment for `thin bench`), run on each model in turn, configs
+# interleaved per model, ROUNDS times; one JSON line per run with "config" added, into
+# $OUT/ab.jsonl, and a table at the end. Experiments live in branches: build each, carry both.
+#   CONFIGS="base:BIN=.bin/thin-base new:BIN=.bin/thin" ROUNDS=2 bash bench/ab.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/thin-out}; mkdir -p "$OUT"
 BIN=${THIN_BIN:-.bin/thin}

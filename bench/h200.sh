@@ -4,9 +4,9 @@
 # Writes JSON lines under $OUT; bench/collect.py turns them into bench/results/h200.jsonl rows.
 #   MODELS="smollm2-135m llama3.2-1b smollm3-3b" PEER=1 bash bench/h200.sh
 # FIDELITY=0 skips the HF comparison; BENCH_ARGS go to the timed `thin bench` (e.g. --profile);
-# THIN=0 runs only the peer (all of it for four models takes ~5 min: split a run over two calls
-# under the device's 10-minute limit); PERSISTENT=1 also runs the one-kernel step (see below). At
-# most 8 files come back from a run: keep $OUT to these.
+# THIN=0 runs only the kernel tests and the peer (all of it for four models takes ~5 min: split a
+# run over two calls under the device's 10-minute limit). At most 8 files come back from a run:
+# keep $OUT to these.
 set -uo pipefail
 OUT=${OUT:-/tmp/thin-out}
 mkdir -p "$OUT"
@@ -33,13 +33,6 @@ for m in $([ "${THIN:-1}" = 1 ] && echo $MODELS); do
   "$BIN" bench "$W/$m.thin" --json --steps 20 --reps 1 --pp 16 --tg 16 >> "$OUT/cold.jsonl"
   "$BIN" bench "$W/$m.thin" --json ${BENCH_ARGS:-} | tee -a "$OUT/thin.jsonl"
   [ "${FIDELITY:-1}" = 1 ] && python3 bench/fidelity.py "$W/hf/$m" "$BIN" "$W/$m.thin" "$m" ${FIDELITY_ARGS:-} 2>&1 | grep -v Warning | tee -a "$OUT/fidelity.jsonl"
-  # PERSISTENT=1: the same with the one-kernel step (THIN_PERSISTENT=1) where the arch has it, each
-  # under a timeout (a grid-barrier bug would hang), into persistent.jsonl.
-  if [ "${PERSISTENT:-0}" = 1 ]; then
-    THIN_PERSISTENT=1 timeout 120 "$BIN" bench "$W/$m.thin" --json ${BENCH_ARGS:-} >> "$OUT/persistent.jsonl" 2>> "$OUT/persistent.err" \
-      || echo "{\"model\":\"$m\",\"error\":\"persistent bench rc=$?\"}" >> "$OUT/persistent.jsonl"
-    THIN_PERSISTENT=1 timeout 300 python3 bench/fidelity.py "$W/hf/$m" "$BIN" "$W/$m.thin" "$m-persistent" ${FIDELITY_ARGS:-} 2>&1 | grep '^{' >> "$OUT/persistent.jsonl"
-  fi
 done
 if [ "${PEER:-0}" = 1 ]; then
   python3 bench/hf_peer.py eager $MODELS 2>&1 | grep '^{' | tee "$OUT/peer_eager.jsonl"

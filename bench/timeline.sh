@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The decode step's in-graph timeline: each kernel's cost inside the replayed step (the kernels
-# stamp the global timer when their wait returns; THIN_TIMELINE=1 builds that module), next to a
+# stamp the global timer when their wait returns; `thin bench --timeline` builds that module), next to a
 # plain run of the same binary (the stamps' own cost), into $OUT/timeline.jsonl.
 #   MODELS="smollm2-135m llama3.2-1b smollm3-3b" bash bench/timeline.sh
 set -uo pipefail
@@ -18,7 +18,7 @@ for m in $MODELS; do
   [ -f "$W/$m.thin" ] || "$BIN" convert "$W/hf/$m" -o "$W/$m.thin" --profile bf16 --quiet || continue
   "$BIN" bench "$W/$m.thin" --json --reps 1 --pp 16 --tg 16 ${BENCH_ARGS:-} | tee -a "$OUT/timeline.jsonl" | python3 -c "
 import json,sys; r=json.loads(sys.stdin.read()); print(r['model'], 'plain decode', r['decode_tok_s'])"
-  THIN_TIMELINE=1 "$BIN" bench "$W/$m.thin" --json --reps 1 --pp 16 --tg 16 --timeline ${BENCH_ARGS:-} | tee -a "$OUT/timeline.jsonl" | python3 -c "
+  "$BIN" bench "$W/$m.thin" --json --reps 1 --pp 16 --tg 16 --timeline ${BENCH_ARGS:-} | tee -a "$OUT/timeline.jsonl" | python3 -c "
 import json,sys
 r=json.loads(sys.stdin.read()); t=r['timeline']
 print(r['model'], 'stamped decode', r['decode_tok_s'], 'span us', round(t['first_to_last_start_us'],1))

@@ -12,6 +12,8 @@ use thin_core::format::Archive;
 use thin_core::role::Role;
 use thin_core::sampler::argmax;
 
+pub use thin_core::cuda::CudaOptions;
+
 /// An engine the benchmark can drive, with the greedy fast path where the backend has one.
 pub trait BenchEngine: Engine {
     fn greedy(&mut self, token: u32) -> anyhow::Result<u32> {
@@ -65,7 +67,7 @@ impl BenchEngine for thin_core::cuda::runtime::CudaEngine {
 
 /// Open the CUDA engine compiled into this binary for the archive's arch.
 #[cfg(feature = "cuda")]
-pub fn open_cuda(archive: &Archive, ctx: usize, progress: bool) -> anyhow::Result<thin_core::cuda::runtime::CudaEngine> {
+pub fn open_cuda(archive: &Archive, opts: &CudaOptions) -> anyhow::Result<thin_core::cuda::runtime::CudaEngine> {
     let m = archive.manifest();
     let Some(arch) = thin_generated::cuda_arch(&m.shape_fingerprint) else {
         bail!(
@@ -77,11 +79,11 @@ pub fn open_cuda(archive: &Archive, ctx: usize, progress: bool) -> anyhow::Resul
             thin_generated::AVAILABLE_FEATURES.join(", ")
         );
     };
-    Ok(thin_core::cuda::runtime::CudaEngine::new(archive, &arch, ctx, progress)?)
+    Ok(thin_core::cuda::runtime::CudaEngine::new(archive, &arch?, opts)?)
 }
 
 #[cfg(not(feature = "cuda"))]
-pub fn open_cuda(_archive: &Archive, _ctx: usize, _progress: bool) -> anyhow::Result<NoEngine> {
+pub fn open_cuda(_archive: &Archive, _opts: &CudaOptions) -> anyhow::Result<NoEngine> {
     bail!("this thin was built without the CUDA backend; rebuild with `cargo build --release --features cuda,<arch>`")
 }
 
@@ -136,7 +138,7 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     let name = thin_generated::arch_name(&m.shape_fingerprint).unwrap_or("?");
     let tok = thin_core::tokenizer::TextTokenizer::from_info(&m.tokenizer).context("building the tokenizer")?;
     let hello = tok.encode("Hello").context("encoding the prompt")?;
-    let mut e = open_cuda(&archive, opts.ctx, !opts.json)?;
+    let mut e = open_cuda(&archive, &CudaOptions { ctx: opts.ctx, progress: !opts.json, timeline: opts.timeline })?;
     // Cold start to first token: open + compile/cache + upload + capture + the first prefill.
     let logits = e.prefill(&hello)?;
     let first_token_s = start.elapsed().as_secs_f64();
@@ -153,7 +155,7 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     let decode_tok_s = opts.steps as f64 / t.elapsed().as_secs_f64();
     // At the reference method's position (a short cache), before pp/tg reset it.
     let kernels = if opts.profile { Some(BenchEngine::profile(&mut e, 50)?) } else { None };
-    // The kernels' costs inside the step, from the same position on (needs THIN_TIMELINE=1).
+    // The kernels' costs inside the step, from the same position on (stamped kernels: --timeline).
     let timeline = if opts.timeline { Some(BenchEngine::timeline(&mut e, 50)?) } else { None };
 
     // (b) llama-bench style: pp (prompt of `pp` tokens from an empty cache) and tg (greedy tokens
@@ -245,7 +247,7 @@ pub fn logits(file: &Path, ids_file: &Path, prompt_len: usize, out: &PathBuf, ct
     if prompt_len == 0 || prompt_len > ids.len() {
         bail!("--prompt-len {prompt_len} must be between 1 and the {} ids given", ids.len());
     }
-    let mut e: Box<dyn Engine> = if cpu { thin_generated::open_cpu(archive.clone())? } else { Box::new(open_cuda(&archive, ctx, false)?) };
+    let mut e: Box<dyn Engine> = if cpu { thin_generated::open_cpu(archive.clone())? } else { Box::new(open_cuda(&archive, &CudaOptions { ctx, progress: false, timeline: false })?) };
     let tmp = out.with_extension("partial");
     let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?);
     let mut put = |row: &[f32]| -> anyhow::Result<()> {

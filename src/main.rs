@@ -84,8 +84,8 @@ enum Command {
         /// order), with the weight bandwidth it reaches.
         #[arg(long)]
         profile: bool,
-        /// Also report each kernel's cost inside the replayed step (from stamps the kernels write
-        /// when the engine is started with THIN_TIMELINE=1).
+        /// Also report each kernel's cost inside the replayed step, from timestamps the kernels
+        /// write (a separately compiled, stamped build of the kernels).
         #[arg(long)]
         timeline: bool,
     },

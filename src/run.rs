@@ -161,10 +161,11 @@ pub fn generate(
 fn open_engine(backend: Backend, archive: Arc<Archive>) -> anyhow::Result<(Box<dyn Engine + Send>, &'static str)> {
     // The CUDA engine allocates its KV cache up front: 4096 positions, or fewer if the model allows fewer.
     let ctx = 4096.min(archive.manifest().arch.max_position_embeddings.max(1) as usize);
+    let cuda = crate::bench::CudaOptions { ctx, progress: true, timeline: false };
     match backend {
         Backend::Cpu => Ok((thin_generated::open_cpu(archive)?, "cpu")),
-        Backend::Cuda => Ok((Box::new(crate::bench::open_cuda(&archive, ctx, true)?), "cuda")),
-        Backend::Auto if cfg!(feature = "cuda") => match crate::bench::open_cuda(&archive, ctx, true) {
+        Backend::Cuda => Ok((Box::new(crate::bench::open_cuda(&archive, &cuda)?), "cuda")),
+        Backend::Auto if cfg!(feature = "cuda") => match crate::bench::open_cuda(&archive, &cuda) {
             Ok(e) => Ok((Box::new(e), "cuda")),
             Err(e) => {
                 eprintln!("CUDA backend unavailable ({e:#}); using the CPU backend");

@@ -1,4 +1,5 @@
-//! `thin-codegen generate` writes generated/; `thin-codegen check` fails when it is stale.
+//! `thin-codegen generate` writes generated/ (only what changed, orphans removed); `thin-codegen
+//! check` fails when it is stale or holds files codegen no longer writes.
 use anyhow::{bail, Context};
 
 fn main() -> anyhow::Result<()> {
@@ -7,13 +8,18 @@ fn main() -> anyhow::Result<()> {
     let files = thin_codegen::generate_all(&root).context("codegen failed")?;
     match cmd.as_str() {
         "generate" => {
-            thin_codegen::write_files(&root, &files)?;
-            println!("wrote {} files", files.len());
+            let orphans = thin_codegen::orphan_files(&root, &files);
+            let written = thin_codegen::write_files(&root, &files)?;
+            println!("{} files: {} rewritten, {} orphans removed", files.len(), written.len(), orphans.len());
+            for p in written.iter().chain(&orphans) {
+                println!("  {}", p.display());
+            }
         }
         "check" => {
             let stale = thin_codegen::stale_files(&root, &files);
-            if !stale.is_empty() {
-                bail!("stale: {stale:?}\nrun: cargo run -p thin-codegen -- generate");
+            let orphans = thin_codegen::orphan_files(&root, &files);
+            if !stale.is_empty() || !orphans.is_empty() {
+                bail!("stale: {stale:?}\norphaned: {orphans:?}\nrun: cargo run -p thin-codegen -- generate");
             }
         }
         _ => bail!("usage: thin-codegen generate|check"),

@@ -1,6 +1,8 @@
-//! Host-side plan of the CUDA decode step: what an arch needs on the device (buffer layout), which
-//! kernels run in which order with which arguments (the launch list captured into one CUDA graph),
-//! and the kernel cache key. Pure data, compiled and unit-tested without a GPU or CUDA toolkit.
+//! The CUDA schedule as data, and how it lands on a device: the launch list of the decode step and
+//! the steps of a prefill pass (both derived by thin-codegen from the description's plan and
+//! emitted into `generated/<arch>/mod.rs`), the buffer layout they need, grids resolved for the
+//! machine, and the kernel cache key. The runtime executes a [`Schedule`]; it knows no arch flags.
+//! Pure data, compiled and unit-tested without a GPU or CUDA toolkit.
 
 use std::collections::BTreeMap;
 
@@ -18,7 +20,7 @@ pub const ATTN_CHUNK: usize = 64;
 /// `ATTN_CLUSTER`): they merge through distributed shared memory. The split count is a multiple.
 pub const ATTN_CLUSTER: usize = 8;
 /// Matvec grids stop growing at this many blocks per multiprocessor (what their `__launch_bounds__`
-/// keeps resident); blocks then stride over the rows.
+/// keeps resident); blocks then stride over the rows. (Runs 18, 19 and 23 measured 2 and 3 slower.)
 pub const MATVEC_BLOCKS_PER_SM: u32 = 4;
 /// No matvec grid is larger (the LM head's per-block argmax candidates are sized by it).
 pub const MATVEC_MAX_BLOCKS: u32 = 4096;
@@ -32,16 +34,8 @@ pub enum RopeTable {
     Local,
 }
 
-/// One layer as the decode step sees it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LayerSpec {
-    pub rope: Option<RopeTable>,
-    /// Sliding-window length (attend to the last `window` positions), or full attention.
-    pub window: Option<usize>,
-}
-
-/// What a generated module tells the CUDA runtime about its arch: shapes, per-layer kinds and the
-/// kernel sources thin-codegen rendered at those shapes.
+/// What a generated module tells the CUDA runtime about its arch: shapes, the schedule thin-codegen
+/// derived from the plan, and the kernel sources it rendered at those shapes.
 #[derive(Debug, Clone)]
 pub struct CudaArch {
     pub arch: &'static str,
@@ -53,30 +47,88 @@ pub struct CudaArch {
     pub head_dim: usize,
     pub ffn: usize,
     pub max_positions: usize,
-    /// Gemma-style post-attention and post-FFN norms before each residual add.
-    pub sandwich: bool,
-    /// Per-head RMS norm of q and k before RoPE.
-    pub qk_norm: bool,
-    pub tied_embeddings: bool,
-    pub moe: bool,
-    pub attn_softcap: Option<f32>,
-    pub final_softcap: Option<f32>,
     pub inv_freq_global: Vec<f64>,
     pub inv_freq_local: Vec<f64>,
-    pub layers: Vec<LayerSpec>,
+    pub schedule: Schedule,
     /// Kernel sources, weights stored as bf16 and as f32.
     pub kernels_bf16: &'static str,
     pub kernels_f32: &'static str,
 }
 
+/// The forward pass on the GPU, in launch order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Schedule {
+    /// One decode step: embed, every layer, final norm + LM head + argmax (which advances the
+    /// position). Captured once into a CUDA graph.
+    pub decode: Vec<Launch>,
+    /// One prefill pass over the prompt rows in `PToks` at positions `*Pos ..`: every projection
+    /// a GEMM over all rows, attention causal over the cache. Leaves the residual rows in `PX`.
+    pub prefill: Vec<Step>,
+    /// What runs on the prompt's last row after the prefill passes (the decode step's tail).
+    pub epilogue: Vec<Launch>,
+}
+
+impl Schedule {
+    /// Every kernel the schedule launches, each once, in first-use order.
+    pub fn kernels(&self) -> Vec<&'static str> {
+        let mut out = Vec::new();
+        let prefill = self.prefill.iter().filter_map(|s| if let Step::Kernel(l) = s { Some(l) } else { None });
+        for l in self.decode.iter().chain(prefill).chain(&self.epilogue) {
+            if !out.contains(&l.kernel) {
+                out.push(l.kernel);
+            }
+        }
+        out
+    }
+
+    /// Every weight the schedule reads, each once, in first-use order.
+    pub fn weights(&self) -> Vec<(Role, Option<u32>)> {
+        let mut out = weights_used(&self.decode);
+        for s in &self.prefill {
+            let w: Vec<(Role, Option<u32>)> = match s {
+                Step::Kernel(l) => weights_used(std::slice::from_ref(l)),
+                Step::Gemm(g) => vec![g.weight],
+            };
+            for x in w {
+                if !out.contains(&x) {
+                    out.push(x);
+                }
+            }
+        }
+        out
+    }
+
+    /// Every buffer a launch or GEMM names.
+    pub fn buffers(&self) -> std::collections::BTreeSet<Buf> {
+        let mut out = std::collections::BTreeSet::new();
+        let mut args = |l: &Launch| {
+            for a in &l.args {
+                if let Arg::Buf(b) = a {
+                    out.insert(*b);
+                }
+            }
+        };
+        self.decode.iter().chain(&self.epilogue).for_each(&mut args);
+        let mut gemm_bufs = Vec::new();
+        for s in &self.prefill {
+            match s {
+                Step::Kernel(l) => args(l),
+                Step::Gemm(g) => gemm_bufs.extend([g.input, g.out]),
+            }
+        }
+        out.extend(gemm_bufs);
+        out
+    }
+}
+
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum PlanError {
-    #[error("{arch}: the CUDA backend has no {what} yet; use --backend cpu")]
-    Unsupported { arch: String, what: &'static str },
+    #[error("{arch}: the CUDA backend has no kernels for {what} yet; use --backend cpu")]
+    Unsupported { arch: String, what: String },
     #[error("context length {ctx} must be between 1 and the arch's max_position_embeddings {max}")]
     Context { ctx: usize, max: usize },
-    #[error("{arch}: no persistent decode step (it needs a dense pre-norm arch without softcaps whose largest matvec input fits 40 KiB); unset THIN_PERSISTENT")]
-    NoPersistent { arch: String },
+    #[error("a prefill pass of {rows} rows: the layout holds 1 to {max}")]
+    PrefillRows { rows: usize, max: usize },
 }
 
 /// A device buffer of the decode step.
@@ -125,139 +177,26 @@ pub enum Buf {
     AttnCount,
     /// The LM head's best (logit, index as f32 bits) per block, `[MATVEC_MAX_BLOCKS, 2]`.
     ArgPart,
-    /// The persistent step's per-layer arguments, `[layers]` of [`LAYER_ARGS_BYTES`] ([`layer_args`]).
-    LayerTable,
-    /// The persistent step's grid barrier: arrival count and generation (u32 each, zero at start).
-    GridBar,
 }
 
-/// Bytes of one layer's entry in [`Buf::LayerTable`]: the kernel's `struct LayerArgs`, 15
-/// pointers then two i32 (it static_asserts the same size).
-pub const LAYER_ARGS_BYTES: usize = 128;
-/// The persistent step's grid stops at this many blocks per multiprocessor (the runtime asks the
-/// driver how many stay resident; the plan itself launches one per multiprocessor).
-pub const PERSISTENT_MAX_BLOCKS_PER_SM: u32 = 2;
-/// The persistent step's kernel (resolved only where its plan is used).
-pub const PERSISTENT_KERNEL: &str = "decode_persistent";
-/// Most bytes of the persistent step's one shared staging buffer (the largest matvec input): static
-/// shared memory is 48 KiB a block, and attention and the reductions take a few KiB beside it.
-pub const PERSISTENT_MAX_STAGE_BYTES: usize = 40 * 1024;
-
-/// Whether the persistent decode step exists for an arch: dense, pre-norm (the kernel runs the
-/// five-phase Llama layer), no softcaps, and its largest matvec input fits the staging buffer.
-/// thin-codegen renders the kernel only where this holds.
-pub fn persistent_fits(a: &CudaArch) -> bool {
-    let dense_prenorm = !a.moe && !a.sandwich && a.attn_softcap.is_none() && a.final_softcap.is_none();
-    dense_prenorm && persistent_stage_fits(a.hidden, a.heads * a.head_dim, a.ffn)
-}
-
-/// The staging-buffer half of [`persistent_fits`] (thin-codegen asks it from the description).
-pub fn persistent_stage_fits(hidden: usize, q_dim: usize, ffn: usize) -> bool {
-    hidden.max(q_dim).max(ffn) * 4 <= PERSISTENT_MAX_STAGE_BYTES
-}
-
-/// Offsets of every buffer in one device arena.
-#[derive(Debug, Clone)]
-pub struct Layout {
-    pub ctx: usize,
-    /// Bytes per weight element (2: bf16, 4: f32); the matvec grids depend on it.
-    pub wbytes: usize,
-    pub splits: usize,
-    /// Matvec grids stop growing at this many blocks per multiprocessor (default
-    /// [`MATVEC_BLOCKS_PER_SM`]; fewer leave room for the next kernel's blocks to start early).
-    pub matvec_blocks_per_sm: u32,
-    /// The same cap for the FFN down projection alone (None: `matvec_blocks_per_sm`). An A/B knob:
-    /// each down block stages the whole FFN-wide input, fewer blocks read less of it from L2, but
-    /// 2 or 3 a multiprocessor were slower than 4 on the H200 (run 23).
-    pub down_blocks_per_sm: Option<u32>,
-    /// Most prompt tokens one prefill pass takes (longer prompts go in chunks).
-    pub prefill_rows: usize,
-    pub total_bytes: usize,
-    regions: BTreeMap<Buf, (usize, usize)>,
-}
-
-fn align(x: usize) -> usize {
-    x.div_ceil(ALIGN) * ALIGN
-}
-
-impl Layout {
-    /// Lay out the decode activations, `prefill_rows` rows of prefill activations (GEMM inputs in
-    /// the weights' type of `wbytes` bytes), the RoPE tables and a bf16 KV cache of `ctx` positions.
-    pub fn new(a: &CudaArch, ctx: usize, prefill_rows: usize, wbytes: usize) -> Result<Layout, PlanError> {
-        if ctx == 0 || ctx > a.max_positions {
-            return Err(PlanError::Context { ctx, max: a.max_positions });
-        }
-        let splits = ctx.div_ceil(ATTN_CHUNK).next_multiple_of(ATTN_CLUSTER);
-        let (q, kv) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
-        let half = a.head_dim / 2;
-        let mut sizes: Vec<(Buf, usize)> = vec![
-            (Buf::X, a.hidden * 4),
-            (Buf::Qkv, (q + 2 * kv) * 4),
-            (Buf::Att, q * 4),
-            (Buf::O, a.hidden * 4),
-            (Buf::Act, a.ffn * 4),
-            (Buf::Logits, a.vocab * 4),
-            (Buf::Part, a.heads * splits * (a.head_dim + 2) * 4),
-            (Buf::Tok, 4),
-            (Buf::Pos, 4),
-            (Buf::AttnCount, a.heads * 4),
-            (Buf::ArgPart, MATVEC_MAX_BLOCKS as usize * 8),
-            (Buf::LayerTable, a.layers.len() * LAYER_ARGS_BYTES),
-            (Buf::GridBar, 8),
-        ];
-        let r = prefill_rows.max(1);
-        sizes.extend([
-            (Buf::PX, r * a.hidden * 4),
-            (Buf::PXn, r * a.hidden * wbytes),
-            (Buf::PQkv, r * (q + 2 * kv) * 4),
-            (Buf::PPart, r * a.heads * (a.head_dim + 2) * 4),
-            (Buf::PAtt, r * q * wbytes),
-            (Buf::PO, r * a.hidden * 4),
-            (Buf::PGate, r * a.ffn * 4),
-            (Buf::PUp, r * a.ffn * 4),
-            (Buf::PAct, r * a.ffn * wbytes),
-            (Buf::PToks, r * 4),
-        ]);
-        for t in [RopeTable::Global, RopeTable::Local] {
-            if a.layers.iter().any(|l| l.rope == Some(t)) {
-                sizes.push((Buf::Cos(t), ctx * half * 4));
-                sizes.push((Buf::Sin(t), ctx * half * 4));
-            }
-        }
-        for l in 0..a.layers.len() {
-            sizes.push((Buf::KCache(l), ctx * kv * 2));
-            sizes.push((Buf::VCache(l), ctx * kv * 2));
-        }
-        let mut regions = BTreeMap::new();
-        let mut off = 0;
-        for (b, n) in sizes {
-            regions.insert(b, (off, n));
-            off += align(n);
-        }
-        Ok(Layout { ctx, wbytes, splits, matvec_blocks_per_sm: MATVEC_BLOCKS_PER_SM, down_blocks_per_sm: None, prefill_rows: r, total_bytes: off, regions })
-    }
-
-    /// At most `max` decode attention splits a head (rounded down to whole clusters, at least one):
-    /// each split is a block of the attention grid, and blocks past the visible span only exit, so
-    /// a grid sized for the whole context spends launch slots on empty blocks at short spans. The
-    /// partial buffer keeps its size (an upper bound).
-    pub fn limit_splits(&mut self, max: usize) {
-        self.splits = self.splits.min((max / ATTN_CLUSTER).max(1) * ATTN_CLUSTER);
-    }
-
-    /// (offset, bytes) of a buffer; `None` if this arch does not use it.
-    pub fn get(&self, b: Buf) -> Option<(usize, usize)> {
-        self.regions.get(&b).copied()
-    }
-
-    pub fn regions(&self) -> impl Iterator<Item = (Buf, usize, usize)> + '_ {
-        self.regions.iter().map(|(b, (o, n))| (*b, *o, *n))
-    }
-
-    /// Bytes of the KV cache alone.
-    pub fn kv_bytes(&self) -> usize {
-        self.regions.iter().filter(|(b, _)| matches!(b, Buf::KCache(_) | Buf::VCache(_))).map(|(_, (_, n))| *n).sum()
-    }
+/// A launch's grid as the schedule states it; [`Layout::grid`] resolves it for the machine (its
+/// multiprocessor count), the layout (attention splits) and a prefill pass's rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Grid {
+    /// A matvec over `rows` outputs of `nr` weight rows of `in_features` each ([`matvec_grid`]).
+    Matvec { in_features: usize, rows: usize, nr: usize },
+    /// One block per head and decode attention split: `(heads, splits, 1)`.
+    HeadSplits { heads: usize },
+    /// Exactly this grid.
+    Fixed(u32, u32, u32),
+    /// One block per prefill row: `(rows, 1, 1)`.
+    Rows,
+    /// One block per head and prefill row, rows in z: `(heads, 1, rows)`.
+    HeadRowsZ { heads: usize },
+    /// One block per head and prefill row, rows in y: `(heads, rows, 1)`.
+    HeadRowsY { heads: usize },
+    /// One thread per element of `rows × width`, 256 a block (at most 65,535 blocks; the kernel strides).
+    Elements { width: usize },
 }
 
 /// One kernel argument, resolved to a device pointer or a value at capture time.
@@ -268,273 +207,24 @@ pub enum Arg {
     /// A null pointer (an optional weight this arch does not have).
     Null,
     I32(i32),
+    /// The x size of a grid as resolved (argmax_step: how many per-block candidates the LM head left).
+    GridX(Grid),
+    /// The KV cache's positions (i32).
+    Ctx,
+    /// Elements of a prefill pass of `rows × width` (i32).
+    Elements { width: usize },
 }
 
-/// One kernel launch of the decode step.
+/// One kernel launch.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Launch {
     pub kernel: &'static str,
-    pub grid: (u32, u32, u32),
+    pub grid: Grid,
     pub block: u32,
     pub args: Vec<Arg>,
 }
 
-/// Every kernel name the decode step may launch (the runtime resolves them once at load).
-pub const KERNELS: &[&str] = &[
-    "embed",
-    "norm_qkv",
-    "qk_rope_kv",
-    "attn_partial",
-    "attn_combine",
-    "attn_combine_rows",
-    "rows_embed",
-    "rows_norm",
-    "rows_act",
-    "o_residual",
-    "o_proj",
-    "down_residual",
-    "down_proj",
-    "norm_residual",
-    "norm_gateup",
-    "norm_lm_head",
-    "argmax_step",
-    "attn_decode",
-];
-
-/// Threads that share one output's dot products in the matvec kernels (the template's
-/// `Mv<IN, NR>::T`, `nr` weight rows per output): the fewest of 32, 64, 128, 256 that leave each
-/// thread at most 8 16-byte weight vectors, else 256.
-pub fn matvec_group_threads(in_features: usize, wbytes: usize, nr: usize) -> u32 {
-    let nv = in_features * wbytes / 16;
-    [32u32, 64, 128].into_iter().find(|&t| nr * nv.div_ceil(t as usize) <= 8).unwrap_or(256)
-}
-
-/// Grid of a matvec over `rows` outputs of `nr` weight rows of `in_features`: enough blocks for
-/// every output group (a block takes 256 / group-threads at a time), at most `per_sm` per
-/// multiprocessor ([`Layout::matvec_blocks_per_sm`]).
-pub fn matvec_grid(in_features: usize, rows: usize, nr: usize, wbytes: usize, sm_count: u32, per_sm: u32) -> (u32, u32, u32) {
-    let per_block = (MATVEC_WARPS * 32 / matvec_group_threads(in_features, wbytes, nr)) as usize;
-    let need = rows.div_ceil(per_block) as u32;
-    (need.min(sm_count.max(1) * per_sm.max(1)).min(MATVEC_MAX_BLOCKS).max(1), 1, 1)
-}
-
-fn check_supported(a: &CudaArch) -> Result<(), PlanError> {
-    let unsupported = |what| Err(PlanError::Unsupported { arch: a.arch.to_string(), what });
-    if a.moe {
-        return unsupported("mixture-of-experts kernels");
-    }
-    if a.attn_softcap.is_some() {
-        return unsupported("attention softcap");
-    }
-    if a.final_softcap.is_some() {
-        return unsupported("final logit softcap");
-    }
-    Ok(())
-}
-
-/// The RoPE table arguments and QK-norm weights of one layer's `qk_rope_kv`, and its rope flag.
-fn rope_args(a: &CudaArch, spec: &LayerSpec, l: usize) -> [Arg; 5] {
-    let li = Some(l as u32);
-    let table = spec.rope.unwrap_or(RopeTable::Global);
-    let (cos, sin) = if spec.rope.is_some() { (Arg::Buf(Buf::Cos(table)), Arg::Buf(Buf::Sin(table))) } else { (Arg::Null, Arg::Null) };
-    let (qn, kn) = if a.qk_norm { (Arg::Weight(Role::AttnQNorm, li), Arg::Weight(Role::AttnKNorm, li)) } else { (Arg::Null, Arg::Null) };
-    [qn, kn, cos, sin, Arg::I32(spec.rope.is_some() as i32)]
-}
-
-/// How many kernels a decode step is cut into.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fusion {
-    /// Five kernels a layer: norm+QKV; QK-norm+RoPE+KV write+split attention+combine (the last
-    /// block of a head merges); O projection + residual; norm+gate/up+activation; down + residual.
-    Fused,
-    /// Seven: QK-norm/RoPE/KV write, split attention and combine as kernels of their own (the
-    /// pieces prefill also uses); kept to measure what the fusion buys and to bisect.
-    Unfused,
-    /// One kernel for the whole step: co-resident blocks run the Fused phases with a grid barrier
-    /// between them (no kernel boundaries). Only where [`persistent_fits`].
-    Persistent,
-}
-
-/// Layer `l`'s entry of [`Buf::LayerTable`], in the kernel's `struct LayerArgs` order: 15
-/// pointers (attn_norm, q, k, v, o, ffn_norm, gate, up, down, q_norm, k_norm, cos, sin, k cache,
-/// v cache; null where absent) then use_rope and window.
-pub fn layer_args(a: &CudaArch, l: usize) -> Vec<Arg> {
-    let li = Some(l as u32);
-    let w = |r| Arg::Weight(r, li);
-    let [qn, kn, cos, sin, use_rope] = rope_args(a, &a.layers[l], l);
-    let window = Arg::I32(a.layers[l].window.map_or(0, |x| x as i32));
-    vec![
-        w(Role::AttnNorm),
-        w(Role::AttnQ),
-        w(Role::AttnK),
-        w(Role::AttnV),
-        w(Role::AttnO),
-        w(Role::FfnNorm),
-        w(Role::FfnGate),
-        w(Role::FfnUp),
-        w(Role::FfnDown),
-        qn,
-        kn,
-        cos,
-        sin,
-        Arg::Buf(Buf::KCache(l)),
-        Arg::Buf(Buf::VCache(l)),
-        use_rope,
-        window,
-    ]
-}
-
-/// The persistent step: one launch of `sm_count` blocks (one per multiprocessor; the runtime
-/// widens the grid to what the driver says stays resident), [`PERSISTENT_KERNEL`] over the layer table.
-fn persistent_launch(a: &CudaArch, layout: &Layout, sm_count: u32) -> Result<Vec<Launch>, PlanError> {
-    if !persistent_fits(a) {
-        return Err(PlanError::NoPersistent { arch: a.arch.to_string() });
-    }
-    let head = if a.tied_embeddings { Role::TokenEmbd } else { Role::LmHead };
-    let b = Arg::Buf;
-    Ok(vec![Launch {
-        kernel: PERSISTENT_KERNEL,
-        grid: (sm_count.clamp(1, MATVEC_MAX_BLOCKS), 1, 1),
-        block: MATVEC_WARPS * 32,
-        args: vec![
-            b(Buf::LayerTable),
-            Arg::Weight(Role::TokenEmbd, None),
-            Arg::Weight(Role::OutputNorm, None),
-            Arg::Weight(head, None),
-            b(Buf::Tok),
-            b(Buf::Pos),
-            b(Buf::X),
-            b(Buf::Qkv),
-            b(Buf::Att),
-            b(Buf::Act),
-            b(Buf::Logits),
-            b(Buf::Part),
-            b(Buf::AttnCount),
-            b(Buf::ArgPart),
-            b(Buf::GridBar),
-            Arg::I32(layout.splits as i32),
-        ],
-    }])
-}
-
-/// The decode step's epilogue: final norm + LM head, then argmax (which advances the position).
-/// Prefill runs it after the prompt's last row, whichever [`Fusion`] the decode step has (the
-/// persistent step runs it as phases of its one kernel, so it is planned here on its own).
-pub fn epilogue_launches(a: &CudaArch, layout: &Layout, sm_count: u32) -> Result<Vec<Launch>, PlanError> {
-    let mut all = decode_launches(a, layout, sm_count, Fusion::Fused)?;
-    Ok(all.split_off(all.len() - 2))
-}
-
-/// The whole decode step, in order: embed, per layer (see [`Fusion`]), then final norm + LM head
-/// and argmax (which also advances the position).
-pub fn decode_launches(a: &CudaArch, layout: &Layout, sm_count: u32, fusion: Fusion) -> Result<Vec<Launch>, PlanError> {
-    check_supported(a)?;
-    if fusion == Fusion::Persistent {
-        return persistent_launch(a, layout, sm_count);
-    }
-    let (q, kv) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
-    let mv = |inf, rows| matvec_grid(inf, rows, 1, layout.wbytes, sm_count, layout.matvec_blocks_per_sm);
-    let block = MATVEC_WARPS * 32;
-    let mut out = vec![Launch {
-        kernel: "embed",
-        grid: ((a.hidden.div_ceil(256)) as u32, 1, 1),
-        block: 256,
-        args: vec![Arg::Weight(Role::TokenEmbd, None), Arg::Buf(Buf::Tok), Arg::Buf(Buf::X)],
-    }];
-    for (l, spec) in a.layers.iter().enumerate() {
-        let li = Some(l as u32);
-        let w = |r| Arg::Weight(r, li);
-        out.push(Launch {
-            kernel: "norm_qkv",
-            grid: mv(a.hidden, q + 2 * kv),
-            block,
-            args: vec![Arg::Buf(Buf::X), w(Role::AttnNorm), w(Role::AttnQ), w(Role::AttnK), w(Role::AttnV), Arg::Buf(Buf::Qkv)],
-        });
-        if fusion == Fusion::Fused {
-            let [qn, kn, cos, sin, use_rope] = rope_args(a, spec, l);
-            let window = Arg::I32(spec.window.map_or(0, |x| x as i32));
-            out.push(Launch {
-                kernel: "attn_decode",
-                grid: (a.heads as u32, layout.splits as u32, 1),
-                block: ATTN_WARPS * 32,
-                args: vec![
-                    Arg::Buf(Buf::Qkv),
-                    qn,
-                    kn,
-                    cos,
-                    sin,
-                    Arg::Buf(Buf::Pos),
-                    Arg::Buf(Buf::KCache(l)),
-                    Arg::Buf(Buf::VCache(l)),
-                    use_rope,
-                    window,
-                    Arg::Buf(Buf::Part),
-                    Arg::Buf(Buf::AttnCount),
-                    Arg::Buf(Buf::Att),
-                ],
-            });
-        } else {
-            unfused_attention(a, layout, l, &mut out);
-        }
-        if a.sandwich {
-            out.push(Launch { kernel: "o_proj", grid: mv(q, a.hidden), block, args: vec![Arg::Buf(Buf::Att), w(Role::AttnO), Arg::Buf(Buf::O)] });
-            out.push(Launch { kernel: "norm_residual", grid: (1, 1, 1), block: 256, args: vec![Arg::Buf(Buf::O), w(Role::AttnPostNorm), Arg::Buf(Buf::X)] });
-        } else {
-            out.push(Launch { kernel: "o_residual", grid: mv(q, a.hidden), block, args: vec![Arg::Buf(Buf::Att), w(Role::AttnO), Arg::Buf(Buf::X)] });
-        }
-        mlp_launches(a, layout, l, sm_count, &mut out);
-    }
-    let head = if a.tied_embeddings { Role::TokenEmbd } else { Role::LmHead };
-    let head_grid = mv(a.hidden, a.vocab);
-    out.push(Launch {
-        kernel: "norm_lm_head",
-        grid: head_grid,
-        block,
-        args: vec![Arg::Buf(Buf::X), Arg::Weight(Role::OutputNorm, None), Arg::Weight(head, None), Arg::Buf(Buf::Logits), Arg::Buf(Buf::ArgPart)],
-    });
-    out.push(Launch {
-        kernel: "argmax_step",
-        grid: (1, 1, 1),
-        block: 1024,
-        args: vec![Arg::Buf(Buf::ArgPart), Arg::I32(head_grid.0 as i32), Arg::Buf(Buf::Tok), Arg::Buf(Buf::Pos)],
-    });
-    Ok(out)
-}
-
-/// The unfused decode attention of layer `l`: QK-norm/RoPE/KV write, split attention, combine into `Att`.
-fn unfused_attention(a: &CudaArch, layout: &Layout, l: usize, out: &mut Vec<Launch>) {
-    let spec = &a.layers[l];
-    let [qn, kn, cos, sin, use_rope] = rope_args(a, spec, l);
-    let window = Arg::I32(spec.window.map_or(0, |x| x as i32));
-    out.push(Launch {
-        kernel: "qk_rope_kv",
-        grid: (1, 1, 1),
-        block: 256,
-        args: vec![Arg::Buf(Buf::Qkv), qn, kn, cos, sin, Arg::Buf(Buf::Pos), Arg::Buf(Buf::KCache(l)), Arg::Buf(Buf::VCache(l)), use_rope],
-    });
-    out.push(Launch {
-        kernel: "attn_partial",
-        grid: (a.heads as u32, layout.splits as u32, 1),
-        block: ATTN_WARPS * 32,
-        args: vec![
-            Arg::Buf(Buf::Qkv),
-            Arg::Buf(Buf::KCache(l)),
-            Arg::Buf(Buf::VCache(l)),
-            Arg::Buf(Buf::Pos),
-            window,
-            Arg::I32(ATTN_CHUNK as i32),
-            Arg::Buf(Buf::Part),
-        ],
-    });
-    out.push(Launch {
-        kernel: "attn_combine",
-        grid: (a.heads as u32, 1, 1),
-        block: a.head_dim as u32,
-        args: vec![Arg::Buf(Buf::Part), Arg::I32(layout.splits as i32), Arg::Buf(Buf::Att)],
-    });
-}
-
-/// `out[:, col..col + n] (+)= input · W^T` over `rows` rows: a cuBLAS GEMM of prefill, weights
+/// `out[:, col..col + n] (+)= input · W^T` over the pass's rows: a cuBLAS GEMM of prefill, weights
 /// `[n, k]` in their stored type, input rows in the same type, output rows f32 with stride `ldc`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Gemm {
@@ -555,87 +245,21 @@ pub enum Step {
     Gemm(Gemm),
 }
 
-/// A prefill pass over `rows` prompt tokens already in `PToks`, at positions `*Pos ..`: every
-/// projection a GEMM over all rows, attention causal over the cache. Leaves the last row's
-/// residual in `PX`; the runtime then runs the decode step's final norm, LM head and argmax.
-pub fn prefill_steps(a: &CudaArch, layout: &Layout, rows: usize) -> Result<Vec<Step>, PlanError> {
-    check_supported(a)?;
-    if rows == 0 || rows > layout.prefill_rows {
-        return Err(PlanError::Context { ctx: rows, max: layout.prefill_rows });
-    }
-    let (q, kv, h, ffn) = (a.heads * a.head_dim, a.kv_heads * a.head_dim, a.hidden, a.ffn);
-    let r = rows as u32;
-    let k = |kernel, grid, block, args| Step::Kernel(Launch { kernel, grid, block, args });
-    let gemm = |weight, input, out, out_col, ldc, n, k, accumulate| Step::Gemm(Gemm { weight, input, out, out_col, ldc, n, k, accumulate });
-    let mut out = vec![k("rows_embed", (r, 1, 1), 256, vec![Arg::Weight(Role::TokenEmbd, None), Arg::Buf(Buf::PToks), Arg::Buf(Buf::PX)])];
-    for (l, spec) in a.layers.iter().enumerate() {
-        let li = Some(l as u32);
-        let w = |role| Arg::Weight(role, li);
-        out.push(k("rows_norm", (r, 1, 1), 256, vec![Arg::Buf(Buf::PX), w(Role::AttnNorm), Arg::Buf(Buf::PXn)]));
-        let qkv_w = q + 2 * kv;
-        out.push(gemm((Role::AttnQ, li), Buf::PXn, Buf::PQkv, 0, qkv_w, q, h, false));
-        out.push(gemm((Role::AttnK, li), Buf::PXn, Buf::PQkv, q, qkv_w, kv, h, false));
-        out.push(gemm((Role::AttnV, li), Buf::PXn, Buf::PQkv, q + kv, qkv_w, kv, h, false));
-        let [qn, kn, cos, sin, use_rope] = rope_args(a, spec, l);
-        out.push(k(
-            "qk_rope_kv",
-            (r, 1, 1),
-            256,
-            vec![Arg::Buf(Buf::PQkv), qn, kn, cos, sin, Arg::Buf(Buf::Pos), Arg::Buf(Buf::KCache(l)), Arg::Buf(Buf::VCache(l)), use_rope],
-        ));
-        out.push(k(
-            "attn_partial",
-            (a.heads as u32, 1, r),
-            ATTN_WARPS * 32,
-            vec![
-                Arg::Buf(Buf::PQkv),
-                Arg::Buf(Buf::KCache(l)),
-                Arg::Buf(Buf::VCache(l)),
-                Arg::Buf(Buf::Pos),
-                Arg::I32(spec.window.map_or(0, |x| x as i32)),
-                Arg::I32(layout.ctx as i32),
-                Arg::Buf(Buf::PPart),
-            ],
-        ));
-        out.push(k("attn_combine_rows", (a.heads as u32, r, 1), a.head_dim as u32, vec![Arg::Buf(Buf::PPart), Arg::I32(1), Arg::Buf(Buf::PAtt)]));
-        if a.sandwich {
-            out.push(gemm((Role::AttnO, li), Buf::PAtt, Buf::PO, 0, h, h, q, false));
-            out.push(k("norm_residual", (r, 1, 1), 256, vec![Arg::Buf(Buf::PO), w(Role::AttnPostNorm), Arg::Buf(Buf::PX)]));
-        } else {
-            out.push(gemm((Role::AttnO, li), Buf::PAtt, Buf::PX, 0, h, h, q, true));
-        }
-        out.push(k("rows_norm", (r, 1, 1), 256, vec![Arg::Buf(Buf::PX), w(Role::FfnNorm), Arg::Buf(Buf::PXn)]));
-        out.push(gemm((Role::FfnGate, li), Buf::PXn, Buf::PGate, 0, ffn, ffn, h, false));
-        out.push(gemm((Role::FfnUp, li), Buf::PXn, Buf::PUp, 0, ffn, ffn, h, false));
-        let n = rows * ffn;
-        out.push(k("rows_act", (n.div_ceil(256).min(65535) as u32, 1, 1), 256, vec![Arg::Buf(Buf::PGate), Arg::Buf(Buf::PUp), Arg::Buf(Buf::PAct), Arg::I32(n as i32)]));
-        if a.sandwich {
-            out.push(gemm((Role::FfnDown, li), Buf::PAct, Buf::PO, 0, h, h, ffn, false));
-            out.push(k("norm_residual", (r, 1, 1), 256, vec![Arg::Buf(Buf::PO), w(Role::FfnPostNorm), Arg::Buf(Buf::PX)]));
-        } else {
-            out.push(gemm((Role::FfnDown, li), Buf::PAct, Buf::PX, 0, h, h, ffn, true));
-        }
-    }
-    Ok(out)
+/// Threads that share one output's dot products in the matvec kernels (the template's
+/// `Mv<IN, NR>::T`, `nr` weight rows per output): the fewest of 32, 64, 128, 256 that leave each
+/// thread at most 8 16-byte weight vectors, else 256.
+pub fn matvec_group_threads(in_features: usize, wbytes: usize, nr: usize) -> u32 {
+    let nv = in_features * wbytes / 16;
+    [32u32, 64, 128].into_iter().find(|&t| nr * nv.div_ceil(t as usize) <= 8).unwrap_or(256)
 }
 
-/// norm + gate/up + activation, then down + residual (through the post-norm on sandwich archs).
-fn mlp_launches(a: &CudaArch, layout: &Layout, l: usize, sm_count: u32, out: &mut Vec<Launch>) {
-    let w = |r| Arg::Weight(r, Some(l as u32));
-    let block = MATVEC_WARPS * 32;
-    out.push(Launch {
-        kernel: "norm_gateup",
-        grid: matvec_grid(a.hidden, a.ffn, 2, layout.wbytes, sm_count, layout.matvec_blocks_per_sm),
-        block,
-        args: vec![Arg::Buf(Buf::X), w(Role::FfnNorm), w(Role::FfnGate), w(Role::FfnUp), Arg::Buf(Buf::Act)],
-    });
-    let grid = matvec_grid(a.ffn, a.hidden, 1, layout.wbytes, sm_count, layout.down_blocks_per_sm.unwrap_or(layout.matvec_blocks_per_sm));
-    if a.sandwich {
-        out.push(Launch { kernel: "down_proj", grid, block, args: vec![Arg::Buf(Buf::Act), w(Role::FfnDown), Arg::Buf(Buf::O)] });
-        out.push(Launch { kernel: "norm_residual", grid: (1, 1, 1), block: 256, args: vec![Arg::Buf(Buf::O), w(Role::FfnPostNorm), Arg::Buf(Buf::X)] });
-    } else {
-        out.push(Launch { kernel: "down_residual", grid, block, args: vec![Arg::Buf(Buf::Act), w(Role::FfnDown), Arg::Buf(Buf::X)] });
-    }
+/// Grid of a matvec over `rows` outputs of `nr` weight rows of `in_features`: enough blocks for
+/// every output group (a block takes 256 / group-threads at a time), at most `per_sm` per
+/// multiprocessor.
+pub fn matvec_grid(in_features: usize, rows: usize, nr: usize, wbytes: usize, sm_count: u32, per_sm: u32) -> (u32, u32, u32) {
+    let per_block = (MATVEC_WARPS * 32 / matvec_group_threads(in_features, wbytes, nr)) as usize;
+    let need = rows.div_ceil(per_block) as u32;
+    (need.min(sm_count.max(1) * per_sm.max(1)).min(MATVEC_MAX_BLOCKS).max(1), 1, 1)
 }
 
 /// Every weight the launches read, each once, in first-use order.
@@ -652,6 +276,113 @@ pub fn weights_used(launches: &[Launch]) -> Vec<(Role, Option<u32>)> {
         }
     }
     out
+}
+
+/// Offsets of every buffer in one device arena.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    pub ctx: usize,
+    /// Bytes per weight element (2: bf16, 4: f32); the matvec grids depend on it.
+    pub wbytes: usize,
+    /// Decode attention splits a head: the context in chunks of [`ATTN_CHUNK`] rows, rounded up
+    /// to whole clusters.
+    pub splits: usize,
+    /// Multiprocessors of the device the grids are sized for.
+    pub sm_count: u32,
+    /// Most prompt tokens one prefill pass takes (longer prompts go in chunks).
+    pub prefill_rows: usize,
+    pub total_bytes: usize,
+    regions: BTreeMap<Buf, (usize, usize)>,
+}
+
+fn align(x: usize) -> usize {
+    x.div_ceil(ALIGN) * ALIGN
+}
+
+impl Layout {
+    /// Lay out every buffer `a`'s schedule names: decode activations, `prefill_rows` rows of
+    /// prefill activations (GEMM inputs in the weights' type of `wbytes` bytes), the RoPE tables
+    /// and a bf16 KV cache of `ctx` positions for each layer that has one.
+    pub fn new(a: &CudaArch, ctx: usize, prefill_rows: usize, wbytes: usize, sm_count: u32) -> Result<Layout, PlanError> {
+        if ctx == 0 || ctx > a.max_positions {
+            return Err(PlanError::Context { ctx, max: a.max_positions });
+        }
+        let splits = ctx.div_ceil(ATTN_CHUNK).next_multiple_of(ATTN_CLUSTER);
+        let (q, kv) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
+        let half = a.head_dim / 2;
+        let r = prefill_rows.max(1);
+        let bytes = |b: Buf| match b {
+            Buf::X | Buf::O => a.hidden * 4,
+            Buf::Qkv => (q + 2 * kv) * 4,
+            Buf::Att => q * 4,
+            Buf::Act => a.ffn * 4,
+            Buf::Logits => a.vocab * 4,
+            Buf::Part => a.heads * splits * (a.head_dim + 2) * 4,
+            Buf::Tok | Buf::Pos => 4,
+            Buf::AttnCount => a.heads * 4,
+            Buf::ArgPart => MATVEC_MAX_BLOCKS as usize * 8,
+            Buf::PX | Buf::PO => r * a.hidden * 4,
+            Buf::PXn => r * a.hidden * wbytes,
+            Buf::PQkv => r * (q + 2 * kv) * 4,
+            Buf::PPart => r * a.heads * (a.head_dim + 2) * 4,
+            Buf::PAtt => r * q * wbytes,
+            Buf::PGate | Buf::PUp => r * a.ffn * 4,
+            Buf::PAct => r * a.ffn * wbytes,
+            Buf::PToks => r * 4,
+            Buf::Cos(_) | Buf::Sin(_) => ctx * half * 4,
+            Buf::KCache(_) | Buf::VCache(_) => ctx * kv * 2,
+        };
+        // Tok and Pos are written by the host even where no kernel of the schedule reads them.
+        let mut bufs = a.schedule.buffers();
+        bufs.extend([Buf::Tok, Buf::Pos]);
+        let mut regions = BTreeMap::new();
+        let mut off = 0;
+        for b in bufs {
+            let n = bytes(b);
+            regions.insert(b, (off, n));
+            off += align(n);
+        }
+        Ok(Layout { ctx, wbytes, splits, sm_count, prefill_rows: r, total_bytes: off, regions })
+    }
+
+    /// (offset, bytes) of a buffer; `None` if the schedule does not use it.
+    pub fn get(&self, b: Buf) -> Option<(usize, usize)> {
+        self.regions.get(&b).copied()
+    }
+
+    pub fn regions(&self) -> impl Iterator<Item = (Buf, usize, usize)> + '_ {
+        self.regions.iter().map(|(b, (o, n))| (*b, *o, *n))
+    }
+
+    /// Bytes of the KV cache alone.
+    pub fn kv_bytes(&self) -> usize {
+        self.regions.iter().filter(|(b, _)| matches!(b, Buf::KCache(_) | Buf::VCache(_))).map(|(_, (_, n))| *n).sum()
+    }
+
+    /// The grid of a launch here, in a prefill pass of `rows` rows (decode: 1).
+    pub fn grid(&self, g: Grid, rows: usize) -> (u32, u32, u32) {
+        let r = rows as u32;
+        match g {
+            Grid::Matvec { in_features, rows: out, nr } => matvec_grid(in_features, out, nr, self.wbytes, self.sm_count, MATVEC_BLOCKS_PER_SM),
+            Grid::HeadSplits { heads } => (heads as u32, self.splits as u32, 1),
+            Grid::Fixed(x, y, z) => (x, y, z),
+            Grid::Rows => (r, 1, 1),
+            Grid::HeadRowsZ { heads } => (heads as u32, 1, r),
+            Grid::HeadRowsY { heads } => (heads as u32, r, 1),
+            Grid::Elements { width } => ((rows * width).div_ceil(256).min(65535) as u32, 1, 1),
+        }
+    }
+
+    /// The value of an argument that is not a pointer, in a prefill pass of `rows` rows (decode: 1).
+    pub fn value(&self, a: Arg, rows: usize) -> Option<i32> {
+        match a {
+            Arg::I32(v) => Some(v),
+            Arg::GridX(g) => Some(self.grid(g, rows).0 as i32),
+            Arg::Ctx => Some(self.ctx as i32),
+            Arg::Elements { width } => Some((rows * width) as i32),
+            Arg::Buf(_) | Arg::Weight(..) | Arg::Null => None,
+        }
+    }
 }
 
 /// Key of a compiled kernel module in the on-disk cache: blake3 of the source, the arch, the GPU
@@ -678,7 +409,21 @@ pub fn rope_tables(a: &CudaArch, t: RopeTable, ctx: usize) -> (Vec<f32>, Vec<f32
 mod tests {
     use super::*;
 
-    fn llama_like(layers: usize) -> CudaArch {
+    /// A two-layer arch whose schedule names a handful of buffers (layer 1 without RoPE).
+    fn arch() -> CudaArch {
+        let w = |r, l| Arg::Weight(r, l);
+        let launch = |kernel, grid, args| Launch { kernel, grid, block: 256, args };
+        let decode = vec![
+            launch("embed", Grid::Fixed(1, 1, 1), vec![w(Role::TokenEmbd, None), Arg::Buf(Buf::Tok), Arg::Buf(Buf::X)]),
+            launch("attn_decode", Grid::HeadSplits { heads: 4 }, vec![Arg::Buf(Buf::Cos(RopeTable::Global)), Arg::Buf(Buf::KCache(0)), Arg::Buf(Buf::Part)]),
+            launch("attn_decode", Grid::HeadSplits { heads: 4 }, vec![Arg::Null, Arg::Buf(Buf::KCache(1)), Arg::Buf(Buf::Part)]),
+            launch("norm_lm_head", Grid::Matvec { in_features: 64, rows: 1000, nr: 1 }, vec![Arg::Buf(Buf::X), Arg::Buf(Buf::ArgPart)]),
+            launch("argmax_step", Grid::Fixed(1, 1, 1), vec![Arg::Buf(Buf::ArgPart), Arg::GridX(Grid::Matvec { in_features: 64, rows: 1000, nr: 1 })]),
+        ];
+        let prefill = vec![
+            Step::Kernel(launch("rows_embed", Grid::Rows, vec![w(Role::TokenEmbd, None), Arg::Buf(Buf::PToks), Arg::Buf(Buf::PX)])),
+            Step::Gemm(Gemm { weight: (Role::AttnQ, Some(0)), input: Buf::PXn, out: Buf::PQkv, out_col: 0, ldc: 256, n: 128, k: 64, accumulate: false }),
+        ];
         CudaArch {
             arch: "test",
             fingerprint: "fp",
@@ -689,24 +434,18 @@ mod tests {
             head_dim: 32,
             ffn: 128,
             max_positions: 4096,
-            sandwich: false,
-            qk_norm: false,
-            tied_embeddings: true,
-            moe: false,
-            attn_softcap: None,
-            final_softcap: None,
             inv_freq_global: crate::cpu::rope_inv_freq(32, 10000.0),
             inv_freq_local: crate::cpu::rope_inv_freq(32, 10000.0),
-            layers: (0..layers).map(|l| LayerSpec { rope: if l % 4 == 3 { None } else { Some(RopeTable::Global) }, window: None }).collect(),
+            schedule: Schedule { epilogue: decode[3..].to_vec(), decode, prefill },
             kernels_bf16: "",
             kernels_f32: "",
         }
     }
 
     #[test]
-    fn layout_regions_are_aligned_disjoint_and_sized() {
-        let a = llama_like(3);
-        let l = Layout::new(&a, 100, 32, 2).unwrap();
+    fn layout_holds_what_the_schedule_names_aligned_and_disjoint() {
+        let a = arch();
+        let l = Layout::new(&a, 100, 32, 2, 132).unwrap();
         let mut regions: Vec<_> = l.regions().collect();
         regions.sort_by_key(|r| r.1);
         for w in regions.windows(2) {
@@ -716,127 +455,48 @@ mod tests {
             assert_eq!(off % ALIGN, 0, "{b:?}");
             assert!(*n > 0, "{b:?}");
         }
-        assert_eq!(l.get(Buf::KCache(2)).unwrap().1, 100 * 2 * 32 * 2);
-        assert_eq!(l.kv_bytes(), 3 * 2 * 100 * 64 * 2);
+        assert_eq!(l.get(Buf::KCache(1)).unwrap().1, 100 * 2 * 32 * 2);
+        assert_eq!(l.kv_bytes(), 2 * 100 * 64 * 2, "K caches only: the schedule names no V cache");
         // 100 positions: 2 chunks of 64, rounded up to a whole cluster of splits.
         assert_eq!(l.splits, ATTN_CLUSTER);
         assert_eq!(l.get(Buf::Part).unwrap().1, 4 * ATTN_CLUSTER * 34 * 4);
+        assert_eq!(l.get(Buf::PXn).unwrap().1, 32 * 64 * 2, "GEMM inputs in the weights' type");
         assert!(l.get(Buf::Cos(RopeTable::Local)).is_none(), "no layer uses the local table");
+        assert!(l.get(Buf::Act).is_none() && l.get(Buf::Pos).is_some(), "only named buffers, and the host's Tok and Pos");
         let (last, off, n) = regions.last().copied().unwrap();
         assert!(off + n <= l.total_bytes, "{last:?}");
     }
 
     #[test]
     fn layout_rejects_bad_context() {
-        let a = llama_like(1);
-        assert_eq!(Layout::new(&a, 0, 32, 2).unwrap_err(), PlanError::Context { ctx: 0, max: 4096 });
-        assert!(Layout::new(&a, 4097, 32, 2).is_err());
+        let a = arch();
+        assert_eq!(Layout::new(&a, 0, 32, 2, 132).unwrap_err(), PlanError::Context { ctx: 0, max: 4096 });
+        assert!(Layout::new(&a, 4097, 32, 2, 132).is_err());
     }
 
     #[test]
-    fn launch_list_covers_every_layer_and_weight() {
-        let a = llama_like(4);
-        let l = Layout::new(&a, 256, 32, 2).unwrap();
-        let launches = decode_launches(&a, &l, 132, Fusion::Unfused).unwrap();
-        assert_eq!(launches.len(), 1 + 4 * 7 + 2);
-        assert_eq!(launches[0].kernel, "embed");
-        assert_eq!(launches.last().unwrap().kernel, "argmax_step");
-        for la in &launches {
-            assert!(KERNELS.contains(&la.kernel), "{} is not in KERNELS", la.kernel);
-            assert!(la.block <= 1024 && la.block % 32 == 0, "{la:?}");
-            assert!(la.grid.0 >= 1 && la.grid.1 >= 1);
-            for arg in &la.args {
-                if let Arg::Buf(b) = arg {
-                    assert!(l.get(*b).is_some(), "{} uses {b:?}, which the layout lacks", la.kernel);
-                }
-            }
-        }
-        // layer 3 is a NoPE layer: no table, rope flag 0.
-        let rope: Vec<_> = launches.iter().filter(|x| x.kernel == "qk_rope_kv").collect();
-        assert_eq!(rope[3].args[3], Arg::Null);
-        assert_eq!(rope[3].args[8], Arg::I32(0));
-        assert_eq!(rope[0].args[8], Arg::I32(1));
-        let w = weights_used(&launches);
-        assert_eq!(w.len(), 1 + 4 * 9 + 1, "embedding (tied head), 9 per layer, output norm: {w:?}");
-        assert!(w.contains(&(Role::FfnDown, Some(3))));
-        assert!(!w.contains(&(Role::LmHead, None)));
-        let attn = launches.iter().find(|x| x.kernel == "attn_partial").unwrap();
-        // 256 positions: 4 chunks of 64, rounded up to a whole cluster of splits.
-        assert_eq!(attn.grid, (4, ATTN_CLUSTER as u32, 1));
+    fn grids_and_values_resolve_for_the_machine_and_the_pass() {
+        let a = arch();
+        let l = Layout::new(&a, 4096, 32, 2, 132).unwrap();
+        assert_eq!(l.grid(Grid::HeadSplits { heads: 4 }, 1), (4, 64, 1));
+        assert_eq!(l.grid(Grid::Rows, 7), (7, 1, 1));
+        assert_eq!(l.grid(Grid::HeadRowsZ { heads: 4 }, 7), (4, 1, 7));
+        assert_eq!(l.grid(Grid::HeadRowsY { heads: 4 }, 7), (4, 7, 1));
+        assert_eq!(l.grid(Grid::Elements { width: 1536 }, 512), (3072, 1, 1));
+        assert_eq!(l.grid(Grid::Elements { width: 1 << 20 }, 512), (65535, 1, 1));
+        let head = Grid::Matvec { in_features: 64, rows: 1000, nr: 1 };
+        assert_eq!(l.value(Arg::GridX(head), 1), Some(l.grid(head, 1).0 as i32));
+        assert_eq!(l.value(Arg::Ctx, 1), Some(4096));
+        assert_eq!(l.value(Arg::Elements { width: 10 }, 7), Some(70));
+        assert_eq!(l.value(Arg::Buf(Buf::X), 1), None);
     }
 
     #[test]
-    fn fused_step_has_five_kernels_a_layer_and_the_same_weights() {
-        for sandwich in [false, true] {
-            let mut a = llama_like(4);
-            a.sandwich = sandwich;
-            a.qk_norm = sandwich;
-            let l = Layout::new(&a, 256, 32, 2).unwrap();
-            let fused = decode_launches(&a, &l, 132, Fusion::Fused).unwrap();
-            let unfused = decode_launches(&a, &l, 132, Fusion::Unfused).unwrap();
-            assert_eq!(fused.len(), 1 + 4 * if sandwich { 7 } else { 5 } + 2);
-            assert_eq!(unfused.len(), fused.len() + 4 * 2);
-            let mut wf = weights_used(&fused);
-            let mut wu = weights_used(&unfused);
-            wf.sort();
-            wu.sort();
-            assert_eq!(wf, wu, "fusion changes kernels, never which weights are read");
-            for k in &fused {
-                assert!(KERNELS.contains(&k.kernel), "{}", k.kernel);
-                assert!(!matches!(k.kernel, "qk_rope_kv" | "attn_partial" | "attn_combine"), "{} left unfused", k.kernel);
-            }
-        }
-    }
-
-    #[test]
-    fn residual_adds_follow_a_kernel_that_leaves_the_residual_alone() {
-        // o_residual and down_residual read their residual rows before their PDL wait (the
-        // matvec template's `res`): the kernel just before them must not write X.
-        const LEAVE_X: &[&str] = &["attn_decode", "attn_combine", "norm_gateup"];
-        for fusion in [Fusion::Fused, Fusion::Unfused] {
-            let a = llama_like(3);
-            let launches = decode_launches(&a, &Layout::new(&a, 256, 32, 2).unwrap(), 132, fusion).unwrap();
-            let mut seen = 0;
-            for w in launches.windows(2) {
-                if matches!(w[1].kernel, "o_residual" | "down_residual") {
-                    assert!(LEAVE_X.contains(&w[0].kernel), "{} comes right after {}", w[1].kernel, w[0].kernel);
-                    seen += 1;
-                }
-            }
-            assert_eq!(seen, 2 * 3);
-        }
-    }
-
-    #[test]
-    fn attention_splits_limit_to_whole_clusters() {
-        let a = llama_like(1);
-        let mut l = Layout::new(&a, 4096, 32, 2).unwrap();
-        assert_eq!(l.splits, 4096 / ATTN_CHUNK);
-        let part = l.get(Buf::Part).unwrap();
-        l.limit_splits(3 * ATTN_CLUSTER + 1);
-        assert_eq!(l.splits, 3 * ATTN_CLUSTER);
-        l.limit_splits(1);
-        assert_eq!(l.splits, ATTN_CLUSTER, "never below one cluster");
-        assert_eq!(l.get(Buf::Part).unwrap(), part, "the partial buffer keeps its (upper-bound) size");
-        let attn = decode_launches(&a, &l, 132, Fusion::Fused).unwrap().into_iter().find(|x| x.kernel == "attn_decode").unwrap();
-        assert_eq!(attn.grid, (4, ATTN_CLUSTER as u32, 1));
-    }
-
-    #[test]
-    fn down_cap_applies_to_the_down_projection_only() {
-        let mut a = llama_like(2);
-        (a.hidden, a.ffn) = (2048, 11008);
-        let mut l = Layout::new(&a, 256, 32, 2).unwrap();
-        let grids = |l: &Layout| -> Vec<(&str, u32)> {
-            decode_launches(&a, l, 132, Fusion::Fused).unwrap().iter().map(|k| (k.kernel, k.grid.0)).collect()
-        };
-        let base = grids(&l);
-        assert!(base.contains(&("down_residual", 132 * MATVEC_BLOCKS_PER_SM)));
-        l.down_blocks_per_sm = Some(2);
-        let capped = grids(&l);
-        for (b, c) in base.iter().zip(&capped) {
-            assert_eq!(c.1, if b.0 == "down_residual" { 264 } else { b.1 }, "{}", b.0);
-        }
+    fn schedule_lists_its_kernels_weights_and_buffers_once() {
+        let s = arch().schedule;
+        assert_eq!(s.kernels(), ["embed", "attn_decode", "norm_lm_head", "argmax_step", "rows_embed"]);
+        assert_eq!(s.weights(), [(Role::TokenEmbd, None), (Role::AttnQ, Some(0))]);
+        assert!(s.buffers().contains(&Buf::PQkv), "a GEMM's output is a buffer of the schedule");
     }
 
     #[test]
@@ -856,65 +516,6 @@ mod tests {
         assert_eq!(matvec_grid(11008, 300, 1, 2, 132, MATVEC_BLOCKS_PER_SM), (300, 1, 1));
         assert_eq!(matvec_grid(8192, 300, 1, 2, 132, MATVEC_BLOCKS_PER_SM), (150, 1, 1));
         assert_eq!(matvec_grid(2048, 1 << 30, 1, 2, 100_000, MATVEC_BLOCKS_PER_SM).0, MATVEC_MAX_BLOCKS);
-    }
-
-    #[test]
-    fn sandwich_and_qk_norm_change_the_launches() {
-        let mut a = llama_like(1);
-        a.sandwich = true;
-        a.qk_norm = true;
-        a.tied_embeddings = false;
-        let l = Layout::new(&a, 64, 32, 2).unwrap();
-        let launches = decode_launches(&a, &l, 132, Fusion::Unfused).unwrap();
-        let names: Vec<_> = launches.iter().map(|x| x.kernel).collect();
-        assert_eq!(
-            names,
-            ["embed", "norm_qkv", "qk_rope_kv", "attn_partial", "attn_combine", "o_proj", "norm_residual", "norm_gateup", "down_proj", "norm_residual", "norm_lm_head", "argmax_step"]
-        );
-        let w = weights_used(&launches);
-        assert!(w.contains(&(Role::AttnQNorm, Some(0))) && w.contains(&(Role::FfnPostNorm, Some(0))) && w.contains(&(Role::LmHead, None)));
-    }
-
-    #[test]
-    fn unsupported_features_are_named() {
-        let mut a = llama_like(1);
-        a.moe = true;
-        let l = Layout::new(&a, 64, 32, 2).unwrap();
-        let e = decode_launches(&a, &l, 132, Fusion::Unfused).unwrap_err();
-        assert!(e.to_string().contains("mixture-of-experts"), "{e}");
-    }
-
-    #[test]
-    fn prefill_is_gemms_around_row_kernels() {
-        let a = llama_like(2);
-        let l = Layout::new(&a, 256, 32, 2).unwrap();
-        let steps = prefill_steps(&a, &l, 20).unwrap();
-        let gemms: Vec<&Gemm> = steps.iter().filter_map(|s| if let Step::Gemm(g) = s { Some(g) } else { None }).collect();
-        assert_eq!(gemms.len(), 2 * 7, "q, k, v, o, gate, up, down per layer");
-        let qkv = 4 * 32 + 2 * 2 * 32;
-        assert_eq!((gemms[1].out_col, gemms[1].ldc, gemms[1].n, gemms[1].k), (128, qkv, 32 * 2, 64), "k lands after q in the qkv rows");
-        assert!(gemms.iter().filter(|g| g.accumulate).all(|g| g.out == Buf::PX), "only the residual GEMMs accumulate");
-        assert_eq!(gemms.iter().filter(|g| g.accumulate).count(), 4);
-        for s in &steps {
-            match s {
-                Step::Kernel(k) => {
-                    assert!(KERNELS.contains(&k.kernel), "{}", k.kernel);
-                    for arg in &k.args {
-                        if let Arg::Buf(b) = arg {
-                            assert!(l.get(*b).is_some(), "{b:?}");
-                        }
-                    }
-                }
-                Step::Gemm(g) => {
-                    let (_, bytes) = l.get(g.out).unwrap();
-                    assert!((20 - 1) * g.ldc + g.out_col + g.n <= bytes / 4, "{g:?} writes past its buffer");
-                }
-            }
-        }
-        let attn = steps.iter().find_map(|s| if let Step::Kernel(k) = s { (k.kernel == "attn_partial").then_some(k) } else { None }).unwrap();
-        assert_eq!(attn.grid, (4, 1, 20), "a block per head and prompt row, one split");
-        assert!(prefill_steps(&a, &l, 33).is_err(), "more rows than the layout holds");
-        assert!(prefill_steps(&a, &l, 0).is_err());
     }
 
     #[test]

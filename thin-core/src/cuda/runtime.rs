@@ -4,6 +4,7 @@
 //! cudarc loads libcuda and NVRTC at run time, so this compiles on machines without either; at run
 //! time their absence is [`CudaError::NoDriver`] / [`CudaError::NoNvrtc`], never a panic.
 
+use std::collections::BTreeMap;
 use std::ffi::{c_void, CString};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -13,6 +14,7 @@ use cudarc::driver::{result as cu, sys as cusys, CudaContext, CudaStream};
 use cudarc::cublas::{result as blas, sys as blassys};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtcsys};
 
+pub use super::CudaOptions;
 use super::plan::{self, Arg, Buf, CudaArch, Gemm, Launch, Layout, RopeTable, Step};
 use crate::dtype::DType;
 use crate::engine::EngineError;
@@ -83,11 +85,6 @@ pub fn cache_dir() -> PathBuf {
     std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir).join(".cache").join("thin")
 }
 
-/// A count from the environment (A/B and tuning knobs); unset or not a number: None.
-fn env_u32(key: &str) -> Option<u32> {
-    std::env::var(key).ok().and_then(|v| v.parse::<u32>().ok())
-}
-
 /// How the engine came up: for the CLI's report and for benchmarks.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct LoadStats {
@@ -102,19 +99,10 @@ pub struct LoadStats {
     pub arena_bytes: usize,
     pub kv_bytes: usize,
     pub launches_per_step: usize,
-    pub fused: bool,
-    /// Programmatic dependent launch between the decode graph's kernels (sm_90+; off: THIN_NO_PDL=1).
+    /// Programmatic dependent launch between the decode graph's kernels (sm_90+).
     pub pdl: bool,
-    /// The decode step is one persistent kernel (THIN_PERSISTENT=1).
-    pub persistent: bool,
-    /// Its grid (co-resident blocks), where it is used.
-    pub persistent_blocks: u32,
-    /// The kernels stamp the in-step timeline (THIN_TIMELINE=1; see [`CudaEngine::timeline`]).
+    /// The kernels stamp the in-step timeline ([`CudaOptions::timeline`]).
     pub timeline: bool,
-    /// Decode attention merges within thread-block clusters (sm_90+; off: THIN_NO_ATTN_CLUSTER=1).
-    pub attn_cluster: bool,
-    /// The matvec grids' cap per multiprocessor ([`plan::Layout::matvec_blocks_per_sm`]).
-    pub matvec_blocks_per_sm: u32,
     /// Decode attention splits a head ([`plan::Layout::splits`]).
     pub attn_splits: usize,
     /// Registers per thread of each kernel, as the compiled module has them.
@@ -265,9 +253,7 @@ pub struct CudaEngine {
     /// (offset, bytes) of every uploaded weight in `weights`.
     offsets: std::collections::BTreeMap<(Role, Option<u32>), (usize, usize)>,
     funcs: std::collections::BTreeMap<&'static str, cusys::CUfunction>,
-    launches: Vec<Launch>,
-    /// What prefill runs after the prompt ([`plan::epilogue_launches`]).
-    epilogue: Vec<Launch>,
+    /// The arch, its schedule among it.
     spec: CudaArch,
     blas: Option<blassys::cublasHandle_t>,
     wtype: blassys::cudaDataType,
@@ -279,9 +265,120 @@ pub struct CudaEngine {
     pub stats: LoadStats,
 }
 
+/// GPU 0 with a context and a stream, and what the plan needs to know of it.
+struct Device {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    sm_count: u32,
+    /// Compute capability major (PDL and clusters from 9).
+    major: i32,
+}
+
+impl Device {
+    fn open(stats: &mut LoadStats) -> Result<Device, CudaError> {
+        if !unsafe { cusys::is_culib_present() } {
+            return Err(CudaError::NoDriver);
+        }
+        let ctx = CudaContext::new(0).map_err(|e| CudaError::NoDevice(format!("{e:?}")))?;
+        unsafe { ctx.disable_event_tracking() };
+        let stream = drv("creating a stream", ctx.new_stream())?;
+        stats.device = ctx.name().unwrap_or_default();
+        stats.context_bytes = device_used_bytes()?;
+        let (major, minor) = drv("reading the compute capability", ctx.compute_capability())?;
+        stats.gpu_target = format!("sm_{major}{minor}");
+        let mut dv = 0i32;
+        unsafe { cusys::cuDriverGetVersion(&mut dv) };
+        stats.driver_version = dv;
+        let sm_count = drv("reading the multiprocessor count", ctx.attribute(cusys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT))? as u32;
+        Ok(Device { ctx, stream, sm_count, major })
+    }
+}
+
+/// The kernel module of one arch and weight type, compiled (or read from the cache) and loaded,
+/// with every kernel its schedule launches resolved.
+fn compile(dev: &Device, arch: &CudaArch, wtype: DType, timeline: bool, stats: &mut LoadStats) -> Result<(cusys::CUmodule, BTreeMap<&'static str, cusys::CUfunction>), CudaError> {
+    let source = match wtype {
+        DType::Bf16 => arch.kernels_bf16,
+        DType::F32 => arch.kernels_f32,
+        other => return Err(CudaError::Weight { role: Role::TokenEmbd, layer: None, msg: format!("stored as {other:?}; the CUDA kernels read bf16 or f32") }),
+    };
+    // The timeline variant is its own cached cubin: a define in front of the source.
+    let stamped;
+    let source = if timeline {
+        stamped = format!("#define THIN_TIMELINE 1\n{source}");
+        stamped.as_str()
+    } else {
+        source
+    };
+    let (cubin, hit, compile_s) = compiled_cubin(source, arch.arch, &stats.gpu_target, stats.driver_version)?;
+    stats.kernel_cache_hit = hit;
+    stats.compile_s = compile_s;
+    drv("binding the context", dev.ctx.bind_to_thread())?;
+    let module = drv("loading the kernel module", unsafe { cu::module::load_data(cubin.as_ptr() as *const c_void) })?;
+    let mut funcs = BTreeMap::new();
+    for k in arch.schedule.kernels() {
+        let name = CString::new(k).map_err(|_| CudaError::Driver { what: "resolving a kernel", err: format!("bad kernel name {k:?}") })?;
+        let f = drv("resolving a kernel", unsafe { cu::module::get_function(module, name) })?;
+        let mut regs = 0i32;
+        if unsafe { cusys::cuFuncGetAttribute(&mut regs, cusys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS, f) } == cusys::CUresult::CUDA_SUCCESS {
+            stats.kernel_regs.insert(k.to_string(), regs);
+        }
+        funcs.insert(k, f);
+    }
+    Ok((module, funcs))
+}
+
+/// Every weight the schedule reads, uploaded into one device buffer: the buffer and each
+/// tensor's (offset, bytes) in it. Norm vectors are f32 in every profile; matrices share `wtype`.
+#[allow(clippy::type_complexity)]
+fn upload_weights(dev: &Device, src: &dyn WeightSource, arch: &CudaArch, wtype: DType, progress: bool) -> Result<(DeviceBuffer, BTreeMap<(Role, Option<u32>), (usize, usize)>), CudaError> {
+    let mut offsets = BTreeMap::new();
+    let mut total = 0usize;
+    let mut sources = Vec::new();
+    for (role, layer) in arch.schedule.weights() {
+        let have = src.dtype(role, layer).ok_or(CudaError::Weight { role, layer, msg: "missing".into() })?;
+        let want = if role.is_norm() { DType::F32 } else { wtype };
+        if have != want {
+            return Err(CudaError::Weight { role, layer, msg: format!("stored as {have:?}; the kernels read it as {want:?}") });
+        }
+        let bytes = src.bytes(role, layer).map_err(|msg| CudaError::Weight { role, layer, msg })?;
+        let n = bytes.len();
+        offsets.insert((role, layer), (total, n));
+        sources.push((bytes, total));
+        total += n.div_ceil(plan::ALIGN) * plan::ALIGN;
+    }
+    let weights = DeviceBuffer::new(total, false, "allocating weights")?;
+    let bar = progress.then(|| {
+        let b = indicatif::ProgressBar::new(total as u64);
+        b.set_style(indicatif::ProgressStyle::with_template("uploading weights {bar:40} {bytes}/{total_bytes} {bytes_per_sec}").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()));
+        b
+    });
+    for (bytes, off) in sources {
+        upload(&dev.stream, weights.ptr + off as u64, &bytes[..], "uploading weights")?;
+        if let Some(b) = &bar {
+            b.inc(bytes.len() as u64);
+        }
+    }
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    Ok((weights, offsets))
+}
+
+/// cuBLAS on the engine's stream, if the library is there (prefill's GEMMs; without it prefill
+/// replays the decode step token by token).
+fn blas_handle(dev: &Device) -> Result<Option<blassys::cublasHandle_t>, CudaError> {
+    if !unsafe { blassys::is_culib_present() } {
+        return Ok(None);
+    }
+    let h = blas::create_handle().map_err(|e| CudaError::Driver { what: "creating the cuBLAS handle", err: format!("{e:?}") })?;
+    unsafe { blas::set_stream(h, dev.stream.cu_stream() as blassys::cudaStream_t) }.map_err(|e| CudaError::Driver { what: "binding cuBLAS to the stream", err: format!("{e:?}") })?;
+    Ok(Some(h))
+}
+
 impl CudaEngine {
-    /// Bring `arch` up on GPU 0 with the archive's weights and a KV cache of `ctx` positions.
-    pub fn new(archive: &Archive, arch: &CudaArch, ctx: usize, progress: bool) -> Result<Self, CudaError> {
+    /// Bring `arch` up on GPU 0 with the archive's weights.
+    pub fn new(archive: &Archive, arch: &CudaArch, opts: &CudaOptions) -> Result<Self, CudaError> {
         let m = archive.manifest();
         if m.shape_fingerprint != arch.fingerprint {
             let a = &m.arch;
@@ -292,202 +389,49 @@ impl CudaEngine {
                 archive_fp: m.shape_fingerprint.clone(),
             });
         }
-        Self::with_weights(archive, arch, ctx, progress)
+        Self::with_weights(archive, arch, opts)
     }
 
-    /// Bring `arch` up on GPU 0 with weights from `src` (which must hold `arch`'s shapes).
-    pub fn with_weights(src: &dyn WeightSource, arch: &CudaArch, ctx: usize, progress: bool) -> Result<Self, CudaError> {
-        if !unsafe { cusys::is_culib_present() } {
-            return Err(CudaError::NoDriver);
-        }
-        let cuda_ctx = CudaContext::new(0).map_err(|e| CudaError::NoDevice(format!("{e:?}")))?;
-        unsafe { cuda_ctx.disable_event_tracking() };
-        let stream = drv("creating a stream", cuda_ctx.new_stream())?;
-        let mut stats = LoadStats { device: cuda_ctx.name().unwrap_or_default(), ..Default::default() };
-        stats.context_bytes = device_used_bytes()?;
-        let (major, minor) = drv("reading the compute capability", cuda_ctx.compute_capability())?;
-        stats.gpu_target = format!("sm_{major}{minor}");
-        let mut dv = 0i32;
-        unsafe { cusys::cuDriverGetVersion(&mut dv) };
-        stats.driver_version = dv;
-        let sm_count = drv("reading the multiprocessor count", cuda_ctx.attribute(cusys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT))? as u32;
-
-        // Weights: one dtype for the whole archive picks the kernel instance.
-        let dtype = src.dtype(Role::TokenEmbd, None).ok_or(CudaError::Weight { role: Role::TokenEmbd, layer: None, msg: "missing".into() })?;
-        let wbytes = if dtype == DType::Bf16 { 2 } else { 4 };
-        let mut layout = Layout::new(arch, ctx, PREFILL_ROWS.min(ctx), wbytes)?;
-        // THIN_MATVEC_BLOCKS_PER_SM=n caps the matvec grids at n blocks per multiprocessor (A/B
-        // timing; the kernels stride over whatever grid they get).
-        if let Some(n) = env_u32("THIN_MATVEC_BLOCKS_PER_SM").filter(|&n| n > 0) {
-            layout.matvec_blocks_per_sm = n;
-        }
-        // THIN_DOWN_BLOCKS_PER_SM=n: the same for the down projection alone (A/B timing).
-        layout.down_blocks_per_sm = env_u32("THIN_DOWN_BLOCKS_PER_SM").filter(|&n| n > 0);
-        stats.matvec_blocks_per_sm = layout.matvec_blocks_per_sm;
-        // THIN_ATTN_SPLITS=n: at most n decode attention splits a head (A/B timing).
-        if let Some(n) = env_u32("THIN_ATTN_SPLITS").filter(|&n| n > 0) {
-            layout.limit_splits(n as usize);
-        }
+    /// Bring `arch` up on GPU 0 with weights from `src` (which must hold `arch`'s shapes): compile
+    /// the kernels, lay out the buffers, upload the weights, capture the decode step.
+    pub fn with_weights(src: &dyn WeightSource, arch: &CudaArch, opts: &CudaOptions) -> Result<Self, CudaError> {
+        let mut stats = LoadStats::default();
+        let dev = Device::open(&mut stats)?;
+        // One weight type for the whole archive picks the kernel instance.
+        let wtype = src.dtype(Role::TokenEmbd, None).ok_or(CudaError::Weight { role: Role::TokenEmbd, layer: None, msg: "missing".into() })?;
+        let layout = Layout::new(arch, opts.ctx, PREFILL_ROWS.min(opts.ctx), if wtype == DType::Bf16 { 2 } else { 4 }, dev.sm_count)?;
+        stats.timeline = opts.timeline;
+        stats.pdl = dev.major >= 9;
         stats.attn_splits = layout.splits;
-        // THIN_UNFUSED=1 runs the seven-kernel layer instead (A/B timing, bisecting);
-        // THIN_PERSISTENT=1 the one-kernel step (where the arch has it).
-        let env_on = |k: &str| std::env::var_os(k).is_some_and(|v| v == "1");
-        let fusion = if env_on("THIN_UNFUSED") {
-            plan::Fusion::Unfused
-        } else if env_on("THIN_PERSISTENT") {
-            plan::Fusion::Persistent
-        } else {
-            plan::Fusion::Fused
-        };
-        stats.fused = fusion == plan::Fusion::Fused;
-        stats.persistent = fusion == plan::Fusion::Persistent;
-        stats.pdl = major >= 9 && !env_on("THIN_NO_PDL") && !stats.persistent;
-        let mut launches = plan::decode_launches(arch, &layout, sm_count, fusion)?;
-        let epilogue = plan::epilogue_launches(arch, &layout, sm_count)?;
-        let mut used = plan::weights_used(&launches);
-        if stats.persistent {
-            // The layer table's weights, which no launch names.
-            for l in 0..arch.layers.len() {
-                for a in plan::layer_args(arch, l) {
-                    if let Arg::Weight(r, li) = a {
-                        if !used.contains(&(r, li)) {
-                            used.push((r, li));
-                        }
-                    }
-                }
-            }
-        }
-        for step in plan::prefill_steps(arch, &layout, 1)? {
-            if let Step::Gemm(g) = step {
-                if !used.contains(&g.weight) {
-                    used.push(g.weight);
-                }
-            }
-        }
-        let source = match dtype {
-            DType::Bf16 => arch.kernels_bf16,
-            DType::F32 => arch.kernels_f32,
-            other => return Err(CudaError::Weight { role: Role::TokenEmbd, layer: None, msg: format!("stored as {other:?}; the CUDA kernels read bf16 or f32") }),
-        };
-        // Variants of the module, each its own cached cubin: defines in front of the source.
-        // THIN_TIMELINE=1: the kernels stamp the in-step timeline; THIN_NO_ATTN_CLUSTER=1: decode
-        // attention merges its splits through global memory alone, as before sm_90 (A/B timing).
-        stats.timeline = env_on("THIN_TIMELINE");
-        stats.attn_cluster = major >= 9 && !env_on("THIN_NO_ATTN_CLUSTER");
-        let mut defines = String::new();
-        if stats.timeline {
-            defines.push_str("#define THIN_TIMELINE 1\n");
-        }
-        if major >= 9 && !stats.attn_cluster {
-            defines.push_str("#define THIN_NO_ATTN_CLUSTER 1\n");
-        }
-        let variant;
-        let source = if defines.is_empty() {
-            source
-        } else {
-            variant = format!("{defines}{source}");
-            variant.as_str()
-        };
-        let (cubin, hit, compile_s) = compiled_cubin(source, arch.arch, &stats.gpu_target, dv)?;
-        stats.kernel_cache_hit = hit;
-        stats.compile_s = compile_s;
-        drv("binding the context", cuda_ctx.bind_to_thread())?;
-        let module = drv("loading the kernel module", unsafe { cu::module::load_data(cubin.as_ptr() as *const c_void) })?;
-        let mut funcs = std::collections::BTreeMap::new();
-        let persistent = stats.persistent.then_some(plan::PERSISTENT_KERNEL);
-        for &k in plan::KERNELS.iter().chain(persistent.iter()) {
-            let f = drv("resolving a kernel", unsafe { cu::module::get_function(module, CString::new(k).unwrap()) })?;
-            let mut regs = 0i32;
-            if unsafe { cusys::cuFuncGetAttribute(&mut regs, cusys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS, f) } == cusys::CUresult::CUDA_SUCCESS {
-                stats.kernel_regs.insert(k.to_string(), regs);
-            }
-            funcs.insert(k, f);
-        }
-        if let Some(k) = persistent {
-            // As many blocks per multiprocessor as stay resident (a cooperative launch needs them
-            // all at once), at most plan::PERSISTENT_MAX_BLOCKS_PER_SM; THIN_PERSISTENT_BLOCKS_PER_SM
-            // overrides it (tuning: the driver still refuses a grid that cannot be resident).
-            let mut occ = 0i32;
-            let block = launches[0].block as i32;
-            drv("querying the persistent step's occupancy", unsafe { cusys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut occ, funcs[k], block, 0) }.result())?;
-            let per_sm = env_u32("THIN_PERSISTENT_BLOCKS_PER_SM").unwrap_or((occ.max(0) as u32).min(plan::PERSISTENT_MAX_BLOCKS_PER_SM));
-            if per_sm == 0 {
-                return Err(CudaError::Driver { what: "planning the persistent step", err: "not one block of it fits a multiprocessor".into() });
-            }
-            launches[0].grid.0 = (sm_count * per_sm).min(plan::MATVEC_MAX_BLOCKS);
-            stats.persistent_blocks = launches[0].grid.0;
-        }
+        stats.launches_per_step = arch.schedule.decode.len();
+        let (module, funcs) = compile(&dev, arch, wtype, opts.timeline, &mut stats)?;
 
         let t = Instant::now();
-        let mut offsets = std::collections::BTreeMap::new();
-        let mut total = 0usize;
-        let mut sources = Vec::new();
-        for &(role, layer) in &used {
-            let have = src.dtype(role, layer).ok_or(CudaError::Weight { role, layer, msg: "missing".into() })?;
-            // Norm vectors are f32 in every profile; matrices share the embedding's type.
-            let want = if role.is_norm() { DType::F32 } else { dtype };
-            if have != want {
-                return Err(CudaError::Weight { role, layer, msg: format!("stored as {have:?}; the kernels read it as {want:?}") });
-            }
-            let bytes = src.bytes(role, layer).map_err(|msg| CudaError::Weight { role, layer, msg })?;
-            let n = bytes.len();
-            offsets.insert((role, layer), (total, n));
-            sources.push((bytes, total));
-            total += n.div_ceil(plan::ALIGN) * plan::ALIGN;
-        }
-        let weights = DeviceBuffer::new(total, false, "allocating weights")?;
-        let bar = if progress {
-            let b = indicatif::ProgressBar::new(total as u64);
-            b.set_style(
-                indicatif::ProgressStyle::with_template("uploading weights {bar:40} {bytes}/{total_bytes} {bytes_per_sec}").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-            );
-            Some(b)
-        } else {
-            None
-        };
-        for (bytes, off) in sources {
-            upload(&stream, weights.ptr + off as u64, &bytes[..], "uploading weights")?;
-            if let Some(b) = &bar {
-                b.inc(bytes.len() as u64);
-            }
-        }
-        if let Some(b) = bar {
-            b.finish_and_clear();
-        }
-        stats.weight_bytes = total;
-
+        let (weights, offsets) = upload_weights(&dev, src, arch, wtype, opts.progress)?;
+        stats.weight_bytes = weights.bytes;
         let arena = DeviceBuffer::new(layout.total_bytes, true, "allocating activations and KV cache")?;
         for t in [RopeTable::Global, RopeTable::Local] {
             if let (Some((co, _)), Some((so, _))) = (layout.get(Buf::Cos(t)), layout.get(Buf::Sin(t))) {
-                let (c, s) = plan::rope_tables(arch, t, ctx);
-                upload(&stream, arena.ptr + co as u64, &c, "uploading RoPE tables")?;
-                upload(&stream, arena.ptr + so as u64, &s, "uploading RoPE tables")?;
+                let (c, s) = plan::rope_tables(arch, t, opts.ctx);
+                upload(&dev.stream, arena.ptr + co as u64, &c, "uploading RoPE tables")?;
+                upload(&dev.stream, arena.ptr + so as u64, &s, "uploading RoPE tables")?;
             }
         }
         stats.upload_s = t.elapsed().as_secs_f64();
         stats.arena_bytes = layout.total_bytes;
         stats.kv_bytes = layout.kv_bytes();
-        stats.launches_per_step = launches.len();
 
-        let blas = if unsafe { blassys::is_culib_present() } {
-            let h = blas::create_handle().map_err(|e| CudaError::Driver { what: "creating the cuBLAS handle", err: format!("{e:?}") })?;
-            unsafe { blas::set_stream(h, stream.cu_stream() as blassys::cudaStream_t) }.map_err(|e| CudaError::Driver { what: "binding cuBLAS to the stream", err: format!("{e:?}") })?;
-            Some(h)
-        } else {
-            None
-        };
-        let wtype = if dtype == DType::Bf16 { blassys::cudaDataType::CUDA_R_16BF } else { blassys::cudaDataType::CUDA_R_32F };
+        let blas = blas_handle(&dev)?;
+        let wtype = if wtype == DType::Bf16 { blassys::cudaDataType::CUDA_R_16BF } else { blassys::cudaDataType::CUDA_R_32F };
         let mut e = CudaEngine {
-            _ctx: cuda_ctx,
-            stream,
+            _ctx: dev.ctx,
+            stream: dev.stream,
             module,
             graph: std::ptr::null_mut(),
             graph_def: std::ptr::null_mut(),
             weights,
             offsets,
             funcs,
-            launches,
-            epilogue,
             spec: arch.clone(),
             blas,
             wtype,
@@ -497,30 +441,8 @@ impl CudaEngine {
             device_tok: None,
             stats,
         };
-        if e.stats.persistent {
-            e.write_layer_table()?;
-        }
         e.capture()?;
         Ok(e)
-    }
-
-    /// The persistent step's [`Buf::LayerTable`]: every layer's [`plan::layer_args`] as the
-    /// kernel's `struct LayerArgs` (little-endian pointers, then i32s).
-    fn write_layer_table(&self) -> Result<(), CudaError> {
-        let mut bytes = Vec::with_capacity(self.spec.layers.len() * plan::LAYER_ARGS_BYTES);
-        for l in 0..self.spec.layers.len() {
-            let start = bytes.len();
-            for a in plan::layer_args(&self.spec, l) {
-                match self.resolve(&a)? {
-                    ParamValue::Ptr(p) => bytes.extend(p.to_le_bytes()),
-                    ParamValue::I32(i) => bytes.extend(i.to_le_bytes()),
-                }
-            }
-            if bytes.len() - start != plan::LAYER_ARGS_BYTES {
-                return Err(CudaError::Driver { what: "writing the layer table", err: format!("layer {l}: {} bytes, not {}", bytes.len() - start, plan::LAYER_ARGS_BYTES) });
-            }
-        }
-        self.write_buf(Buf::LayerTable, &bytes)
     }
 
     /// Capture the decode step once into a graph.
@@ -529,8 +451,8 @@ impl CudaEngine {
         let cs = self.stream.cu_stream();
         drv("starting graph capture", unsafe { cu::stream::begin_capture(cs, cusys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) })?;
         let mut capture_err = None;
-        for l in &self.launches {
-            if let Err(e) = self.launch(l, self.stats.pdl) {
+        for l in &self.spec.schedule.decode {
+            if let Err(e) = self.launch(l, 1, self.stats.pdl) {
                 capture_err = Some(e);
                 break;
             }
@@ -545,12 +467,23 @@ impl CudaEngine {
         Ok(())
     }
 
-    fn resolve(&self, a: &Arg) -> Result<ParamValue, CudaError> {
+    /// A kernel of the module: the schedule's were resolved at load; any other (a kernel test
+    /// launching a variant its arch does not schedule) is looked up now.
+    fn function(&self, name: &'static str) -> Result<cusys::CUfunction, CudaError> {
+        if let Some(f) = self.funcs.get(name) {
+            return Ok(*f);
+        }
+        let c = CString::new(name).map_err(|_| CudaError::Driver { what: "resolving a kernel", err: format!("bad kernel name {name:?}") })?;
+        drv("resolving a kernel", unsafe { cu::module::get_function(self.module, c) })
+    }
+
+    /// An argument's value in a pass of `rows` rows (the decode step: 1).
+    fn resolve(&self, a: &Arg, rows: usize) -> Result<ParamValue, CudaError> {
         Ok(match *a {
             Arg::Buf(b) => ParamValue::Ptr(self.buf(b)),
             Arg::Weight(r, l) => ParamValue::Ptr(self.weight(r, l)?),
             Arg::Null => ParamValue::Ptr(0),
-            Arg::I32(v) => ParamValue::I32(v),
+            Arg::I32(_) | Arg::GridX(_) | Arg::Ctx | Arg::Elements { .. } => ParamValue::I32(self.layout.value(*a, rows).unwrap_or_default()),
         })
     }
 
@@ -562,9 +495,10 @@ impl CudaEngine {
     /// Launch one kernel; with `pdl` (graph capture on sm_90+) as a programmatic dependent launch:
     /// it may start while the previous kernel drains, and its `pdl_enter()` (every kernel calls it
     /// before touching activations) waits for that kernel's completion and writes.
-    fn launch(&self, l: &Launch, pdl: bool) -> Result<(), CudaError> {
-        let f = *self.funcs.get(l.kernel).ok_or(CudaError::Driver { what: "launching", err: format!("no kernel {}", l.kernel) })?;
-        let mut values: Vec<ParamValue> = l.args.iter().map(|a| self.resolve(a)).collect::<Result<_, _>>()?;
+    fn launch(&self, l: &Launch, rows: usize, pdl: bool) -> Result<(), CudaError> {
+        let f = self.function(l.kernel)?;
+        let grid = self.layout.grid(l.grid, rows);
+        let mut values: Vec<ParamValue> = l.args.iter().map(|a| self.resolve(a, rows)).collect::<Result<_, _>>()?;
         let mut params: Vec<*mut c_void> = values
             .iter_mut()
             .map(|v| match v {
@@ -572,24 +506,16 @@ impl CudaEngine {
                 ParamValue::I32(i) => i as *mut i32 as *mut c_void,
             })
             .collect();
-        let cooperative = l.kernel == plan::PERSISTENT_KERNEL;
-        if !pdl && !cooperative {
-            return drv("launching a kernel", unsafe { cu::launch_kernel(f, l.grid, (l.block, 1, 1), 0, self.stream.cu_stream(), &mut params) });
+        if !pdl {
+            return drv("launching a kernel", unsafe { cu::launch_kernel(f, grid, (l.block, 1, 1), 0, self.stream.cu_stream(), &mut params) });
         }
-        // The persistent step's blocks wait for each other: a cooperative launch, which the driver
-        // refuses rather than run with blocks that are not all resident at once.
         let mut attr: cusys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        if cooperative {
-            attr.id = cusys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
-            attr.value.cooperative = 1;
-        } else {
-            attr.id = cusys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attr.value.programmaticStreamSerializationAllowed = 1;
-        }
+        attr.id = cusys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
         let cfg = cusys::CUlaunchConfig {
-            gridDimX: l.grid.0,
-            gridDimY: l.grid.1,
-            gridDimZ: l.grid.2,
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
             blockDimX: l.block,
             blockDimY: 1,
             blockDimZ: 1,
@@ -598,7 +524,7 @@ impl CudaEngine {
             attrs: &mut attr,
             numAttrs: 1,
         };
-        drv(if cooperative { "launching the persistent step (cooperative launch)" } else { "launching a kernel (programmatic dependent launch)" }, unsafe { cusys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()) }.result())
+        drv("launching a kernel (programmatic dependent launch)", unsafe { cusys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()) }.result())
     }
 
     /// One prefill GEMM: `out[:, col..col+n] (+)= input · W^T` (row-major), as cuBLAS's
@@ -653,10 +579,9 @@ impl CudaEngine {
         for chunk in tokens.chunks(self.layout.prefill_rows) {
             let ids: Vec<i32> = chunk.iter().map(|&t| t as i32).collect();
             drv("writing prompt ids", unsafe { cu::memcpy_htod_async(self.buf(Buf::PToks), &ids, cs) }).map_err(Self::engine_err)?;
-            let steps = plan::prefill_steps(&self.spec, &self.layout, chunk.len()).map_err(|e| EngineError::Backend(e.to_string()))?;
-            for step in &steps {
+            for step in &self.spec.schedule.prefill {
                 match step {
-                    Step::Kernel(l) => self.launch(l, false),
+                    Step::Kernel(l) => self.launch(l, chunk.len(), false),
                     Step::Gemm(g) => self.gemm(handle, g, chunk.len()),
                 }
                 .map_err(Self::engine_err)?;
@@ -669,8 +594,8 @@ impl CudaEngine {
         let row = (last_rows - 1) * self.spec.hidden * 4;
         drv("copying the last row", unsafe { cu::memcpy_dtod_async(self.buf(Buf::X), self.buf(Buf::PX) + row as u64, self.spec.hidden * 4, cs) }).map_err(Self::engine_err)?;
         self.set_pos(self.pos - 1).map_err(Self::engine_err)?;
-        for l in &self.epilogue {
-            self.launch(l, false).map_err(Self::engine_err)?;
+        for l in &self.spec.schedule.epilogue {
+            self.launch(l, 1, false).map_err(Self::engine_err)?;
         }
         self.device_tok = None;
         self.read_logits()
@@ -742,7 +667,7 @@ impl CudaEngine {
 impl CudaEngine {
     /// The decode step's launches, in order.
     pub fn launches(&self) -> &[Launch] {
-        &self.launches
+        &self.spec.schedule.decode
     }
 
     pub fn layout(&self) -> &Layout {
@@ -773,7 +698,7 @@ impl CudaEngine {
     pub fn run_step(&self, step: &Step, rows: usize) -> Result<(), CudaError> {
         drv("binding the context", self._ctx.bind_to_thread())?;
         match step {
-            Step::Kernel(l) => self.launch(l, false)?,
+            Step::Kernel(l) => self.launch(l, rows, false)?,
             Step::Gemm(g) => {
                 let h = self.blas.ok_or(CudaError::Driver { what: "running a GEMM", err: "no cuBLAS on this machine".into() })?;
                 self.gemm(h, g, rows)?
@@ -786,7 +711,7 @@ impl CudaEngine {
     fn time_graph(&self, launches: &[&Launch], reps: usize) -> Result<f64, CudaError> {
         let cs = self.stream.cu_stream();
         drv("starting graph capture", unsafe { cu::stream::begin_capture(cs, cusys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) })?;
-        let launched: Result<(), CudaError> = launches.iter().try_for_each(|l| self.launch(l, self.stats.pdl));
+        let launched: Result<(), CudaError> = launches.iter().try_for_each(|l| self.launch(l, 1, self.stats.pdl));
         let g = drv("ending graph capture", unsafe { cu::stream::end_capture(cs) })?;
         let result = launched.and_then(|()| {
             let exec = drv("instantiating a profile graph", unsafe { cu::graph::instantiate(g, cusys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH) })?;
@@ -833,7 +758,7 @@ impl CudaEngine {
         let reps = reps.max(1);
         let pos = self.pos.min(self.layout.ctx.saturating_sub(4 * reps + 16));
         let mut names: Vec<&'static str> = Vec::new();
-        for l in &self.launches {
+        for l in &self.spec.schedule.decode {
             if !names.contains(&l.kernel) {
                 names.push(l.kernel);
             }
@@ -851,8 +776,8 @@ impl CudaEngine {
                 .sum()
         };
         let mut out = Vec::new();
-        let mut rows: Vec<(&'static str, Vec<&Launch>)> = names.iter().map(|&n| (n, self.launches.iter().filter(|l| l.kernel == n).collect())).collect();
-        rows.push(("step", self.launches.iter().collect()));
+        let mut rows: Vec<(&'static str, Vec<&Launch>)> = names.iter().map(|&n| (n, self.spec.schedule.decode.iter().filter(|l| l.kernel == n).collect())).collect();
+        rows.push(("step", self.spec.schedule.decode.iter().collect()));
         for (name, ls) in rows {
             // Every timing starts from the same position, so attention reads the same cache span
             // (argmax_step advances it by one per replay).
@@ -867,7 +792,7 @@ impl CudaEngine {
     }
 }
 
-/// The in-step timeline (a module built with THIN_TIMELINE=1).
+/// The in-step timeline (an engine brought up with [`CudaOptions::timeline`]).
 impl CudaEngine {
     /// Replay `steps` greedy decode steps from the current position, each alone, reading the
     /// kernels' start stamps after each ([`TimelineRow`]); returns the rows in step order of
@@ -875,12 +800,12 @@ impl CudaEngine {
     /// the position.
     pub fn timeline(&mut self, steps: usize) -> Result<(Vec<TimelineRow>, f64), CudaError> {
         if !self.stats.timeline {
-            return Err(CudaError::Driver { what: "reading the step timeline", err: "the kernels were built without stamps: set THIN_TIMELINE=1".into() });
+            return Err(CudaError::Driver { what: "reading the step timeline", err: "the kernels were built without stamps: bring the engine up with the timeline option (thin bench --timeline)".into() });
         }
         drv("binding the context", self._ctx.bind_to_thread())?;
         let (stamps, _) = drv("finding the timeline", unsafe { cu::module::get_global(self.module, CString::new("thin_timeline").unwrap()) })?;
         let (count, _) = drv("finding the timeline", unsafe { cu::module::get_global(self.module, CString::new("thin_timeline_n").unwrap()) })?;
-        let n = self.launches.len();
+        let n = self.spec.schedule.decode.len();
         let steps = steps.min(self.layout.ctx.saturating_sub(self.pos + 1));
         let mut per_launch = vec![0f64; n.saturating_sub(1)];
         let mut span = 0f64;
@@ -902,7 +827,7 @@ impl CudaEngine {
         }
         let steps_f = steps.max(1) as f64;
         let mut rows: Vec<TimelineRow> = Vec::new();
-        for (k, l) in self.launches[..n - 1].iter().enumerate() {
+        for (k, l) in self.spec.schedule.decode[..n - 1].iter().enumerate() {
             let us = per_launch[k] / steps_f;
             match rows.iter_mut().find(|r| r.kernel == l.kernel) {
                 Some(r) => {

@@ -1,0 +1,69 @@
+//! The `cuda` submodule of a generated engine: the arch's shapes, the schedule derived from its
+//! plan (`schedule.rs`) and the kernel sources, as the CUDA runtime takes them.
+
+use proc_macro2::TokenStream;
+use quote::quote;
+use thin_core::cuda::plan::Schedule;
+
+use crate::description::*;
+use crate::emit_cpu::{inv_freq_tokens, lit_u};
+use crate::schedule::{schedule_tokens, Unsupported};
+
+/// The `cuda` submodule: plain data, so it builds with or without the `cuda` feature. An arch the
+/// kernels cannot run gets `arch()` returning the refusal (and no kernel sources).
+pub fn emit_cuda_module(d: &Description, schedule: &Result<Schedule, Unsupported>) -> TokenStream {
+    let a = &d.attention;
+    let u = |x: u64| lit_u(x);
+    let (vocab, hidden, heads, kv, hd, ffn) = (u(d.dims.vocab_size), u(d.dims.hidden_size), u(a.num_heads), u(a.num_kv_heads), u(a.head_dim), u(d.dims.intermediate_size));
+    let max_pos = u(d.dims.max_position_embeddings);
+    let inv = |t: f64| inv_freq_tokens(d, t, hd.clone());
+    let (inv_g, inv_l) = (inv(d.rope.theta), inv(d.rope.local_theta.unwrap_or(d.rope.theta)));
+    let body = schedule_tokens(&d.model.name, schedule);
+    let arch = if schedule.is_ok() {
+        quote! {
+            pub const KERNELS_BF16: &str = include_str!("kernels/decode_bf16.cu");
+            pub const KERNELS_F32: &str = include_str!("kernels/decode_f32.cu");
+            /// This arch on the CUDA backend.
+            pub fn arch() -> Result<CudaArch, PlanError> {
+                Ok(CudaArch {
+                    arch: super::ARCH,
+                    fingerprint: super::SHAPE_FINGERPRINT,
+                    vocab: #vocab,
+                    hidden: #hidden,
+                    heads: #heads,
+                    kv_heads: #kv,
+                    head_dim: #hd,
+                    ffn: #ffn,
+                    max_positions: #max_pos,
+                    inv_freq_global: #inv_g,
+                    inv_freq_local: #inv_l,
+                    schedule: schedule()?,
+                    kernels_bf16: KERNELS_BF16,
+                    kernels_f32: KERNELS_F32,
+                })
+            }
+        }
+    } else {
+        quote! {
+            /// This arch on the CUDA backend: refused (see [`schedule`]).
+            pub fn arch() -> Result<CudaArch, PlanError> {
+                Err(schedule().err().expect("the schedule is refused"))
+            }
+        }
+    };
+    quote! {
+        /// This engine on the CUDA backend: its forward pass as kernel launches, derived by
+        /// thin-codegen from the same plan the CPU engine above follows.
+        pub mod cuda {
+            use thin_core::cuda::plan::{Arg, Buf, CudaArch, Gemm, Grid, Launch, PlanError, RopeTable, Schedule, Step};
+            use thin_core::role::Role;
+
+            /// The decode step (one CUDA graph), a prefill pass and its epilogue, in launch order.
+            pub fn schedule() -> Result<Schedule, PlanError> {
+                #body
+            }
+
+            #arch
+        }
+    }
+}

@@ -1,0 +1,67 @@
+//! The CUDA kernels of a description, rendered from `kernels/decode.cu.j2` at its exact shapes.
+
+use std::collections::BTreeMap;
+
+use crate::description::*;
+
+/// The decode-step kernels of one arch at its exact shapes, for one weight storage type.
+#[derive(askama::Template)]
+#[template(path = "decode.cu.j2", escape = "none")]
+pub struct DecodeKernels {
+    pub arch: String,
+    pub wname: &'static str,
+    pub vocab: u64,
+    pub hidden: u64,
+    pub heads: u64,
+    pub kv_heads: u64,
+    pub head_dim: u64,
+    pub ffn: u64,
+    pub eps: String,
+    pub emb_scale: String,
+    pub attn_scale: String,
+    pub act: &'static str,
+    pub qk_norm: bool,
+    pub attn_chunk: usize,
+    pub attn_cluster: usize,
+    pub matvec_warps: u32,
+    pub attn_warps: u32,
+}
+
+/// Weight storage types the kernels are instantiated for: (file/name suffix, whether bf16).
+pub const KERNEL_WEIGHT_TYPES: [&str; 2] = ["bf16", "f32"];
+
+/// CUDA sources of one arch: file name → source (without header), one per weight storage type.
+pub fn emit_kernels(d: &Description) -> Result<BTreeMap<String, String>, askama::Error> {
+    use askama::Template;
+    use thin_core::cuda::plan as cp;
+    let a = &d.attention;
+    let h = d.dims.hidden_size;
+    let mut out = BTreeMap::new();
+    for wname in KERNEL_WEIGHT_TYPES {
+        let emb = match d.embedding.scale { EmbScale::None => 1.0, EmbScale::SqrtHidden => (h as f64).sqrt() };
+        // HF multiplies by the scale cast to the weights' dtype: in bf16 that is the bf16-rounded value.
+        let emb = if wname == "bf16" { half::bf16::from_f64(emb).to_f64() } else { emb };
+        let k = DecodeKernels {
+            arch: d.model.name.clone(),
+            wname,
+            vocab: d.dims.vocab_size,
+            hidden: h,
+            heads: a.num_heads,
+            kv_heads: a.num_kv_heads,
+            head_dim: a.head_dim,
+            ffn: d.dims.intermediate_size,
+            eps: format!("{:e}", d.norm.eps),
+            emb_scale: format!("{emb:e}"),
+            attn_scale: format!("{:e}", 1.0 / a.query_pre_attn_scalar.unwrap_or(a.head_dim as f64).sqrt()),
+            act: match d.mlp.kind { MlpKind::Swiglu => "silu", MlpKind::GegluTanh => "gelu_tanh" },
+            qk_norm: a.qk_norm == QkNorm::PerHead,
+            attn_chunk: cp::ATTN_CHUNK,
+            attn_cluster: cp::ATTN_CLUSTER,
+            matvec_warps: cp::MATVEC_WARPS,
+            attn_warps: cp::ATTN_WARPS,
+        };
+        out.insert(format!("decode_{wname}.cu"), k.render()?);
+    }
+    Ok(out)
+}
+

@@ -1,0 +1,387 @@
+//! The CUDA lowering of a plan: the plan's ops, in order, matched to the kernels of
+//! `kernels/decode.cu.j2` (the decode step's launches and a prefill pass's steps), each plan op
+//! taken by exactly one rule. An op no rule takes is a typed refusal naming it, so a feature the
+//! CPU engine honours is never skipped on the GPU: it is run there, or the arch is refused.
+
+use proc_macro2::TokenStream;
+use quote::quote;
+use thin_core::cuda::plan::{Arg, Buf, Gemm, Grid, Launch, RopeTable, Schedule, Step, ATTN_WARPS, MATVEC_WARPS};
+use thin_core::role::Role;
+
+use crate::description::*;
+use crate::lower::*;
+
+/// Threads of a matvec block.
+const MV: u32 = MATVEC_WARPS * 32;
+
+/// Why an arch has no CUDA schedule: the plan op no kernel takes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Unsupported(pub String);
+
+fn role(name: &str) -> Role {
+    Role::from_name(name).expect("the plan names only known roles")
+}
+
+/// Shapes the lowering needs (the plan's ops carry the rest).
+struct Dims {
+    hidden: usize,
+    q: usize,
+    kv: usize,
+    heads: usize,
+    head_dim: usize,
+    ffn: usize,
+    vocab: usize,
+}
+
+/// The ops of one layer (or the prologue/epilogue), taken front to back.
+struct Ops<'a> {
+    ops: &'a [Op],
+    at: usize,
+}
+
+impl<'a> Ops<'a> {
+    /// The next op if `f` accepts it (and it is consumed), else nothing.
+    fn take<T>(&mut self, f: impl Fn(&'a Op) -> Option<T>) -> Option<T> {
+        let v = f(self.ops.get(self.at)?)?;
+        self.at += 1;
+        Some(v)
+    }
+
+    /// The next op, which no rule took: what the GPU cannot run.
+    fn refuse(&self) -> Unsupported {
+        Unsupported(match &self.ops[self.at] {
+            Op::Moe { .. } => "mixture-of-experts layers".into(),
+            Op::QkNorm { dim, total, weight, .. } if dim == total => format!("QK-norm over the whole projection ({weight} over {total} values)"),
+            Op::Attention { softcap: Some(c), .. } => format!("attention logit softcapping ({c})"),
+            Op::Softcap { cap, .. } => format!("final logit softcapping ({cap})"),
+            op => format!("the op {op:?} at this point of the layer"),
+        })
+    }
+
+    fn done(&self) -> bool {
+        self.at == self.ops.len()
+    }
+}
+
+/// A projection's way into the residual stream: added as it is, or through its own post-norm.
+enum Residual {
+    Plain,
+    PostNorm(Role),
+}
+
+/// `[RmsNorm(from → from)] ResidualAdd(x ← from)`.
+fn residual(ops: &mut Ops, from: &str) -> Option<Residual> {
+    let post = ops.take(|o| match o {
+        Op::RmsNorm { weight, input, out, .. } if input == from && out == from => Some(role(weight)),
+        _ => None,
+    });
+    ops.take(|o| matches!(o, Op::ResidualAdd { into, from: f } if into == "x" && f == from).then_some(()))?;
+    Some(post.map_or(Residual::Plain, Residual::PostNorm))
+}
+
+/// The launches and prefill steps of one layer (or of the prologue / epilogue).
+#[derive(Default)]
+struct Out {
+    decode: Vec<Launch>,
+    prefill: Vec<Step>,
+}
+
+impl Out {
+    fn k(&mut self, kernel: &'static str, grid: Grid, block: u32, args: Vec<Arg>) {
+        self.decode.push(Launch { kernel, grid, block, args });
+    }
+    fn pk(&mut self, kernel: &'static str, grid: Grid, block: u32, args: Vec<Arg>) {
+        self.prefill.push(Step::Kernel(Launch { kernel, grid, block, args }));
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(&mut self, weight: (Role, Option<u32>), input: Buf, out: Buf, out_col: usize, ldc: usize, n: usize, k: usize, accumulate: bool) {
+        self.prefill.push(Step::Gemm(Gemm { weight, input, out, out_col, ldc, n, k, accumulate }));
+    }
+
+    /// A projection's output into the residual: decode `fused` (matvec + add) or `plain` then
+    /// norm_residual; prefill a GEMM accumulating into PX, or into PO then norm_residual.
+    #[allow(clippy::too_many_arguments)]
+    fn into_residual(&mut self, r: Residual, (fused, plain): (&'static str, &'static str), grid: Grid, input: Buf, weight: (Role, Option<u32>), prefill_in: Buf, n: usize, k: usize) {
+        let w = Arg::Weight(weight.0, weight.1);
+        match r {
+            Residual::Plain => {
+                self.k(fused, grid, MV, vec![Arg::Buf(input), w, Arg::Buf(Buf::X)]);
+                self.gemm(weight, prefill_in, Buf::PX, 0, n, n, k, true);
+            }
+            Residual::PostNorm(post) => {
+                let g = Arg::Weight(post, weight.1);
+                self.k(plain, grid, MV, vec![Arg::Buf(input), w, Arg::Buf(Buf::O)]);
+                self.k("norm_residual", Grid::Fixed(1, 1, 1), 256, vec![Arg::Buf(Buf::O), g, Arg::Buf(Buf::X)]);
+                self.gemm(weight, prefill_in, Buf::PO, 0, n, n, k, false);
+                self.pk("norm_residual", Grid::Rows, 256, vec![Arg::Buf(Buf::PO), g, Arg::Buf(Buf::PX)]);
+            }
+        }
+    }
+}
+
+/// One layer's ops as kernels: norm + q/k/v; QK-norm + RoPE + KV write + split attention; O
+/// projection into the residual; norm + gate/up + activation; down into the residual.
+fn lower_layer(lp: &LayerPlan, d: &Dims) -> Result<Out, Unsupported> {
+    let mut ops = Ops { ops: &lp.ops, at: 0 };
+    let mut out = Out::default();
+    let l = lp.layer as usize;
+    let li = Some(lp.layer as u32);
+    let w = |r: Role| Arg::Weight(r, li);
+    let (h, q, kv) = (d.hidden, d.q, d.kv);
+
+    // norm + q, k, v
+    let norm = ops.take(|o| match o {
+        Op::RmsNorm { weight, input, out, .. } if input == "x" && out == "xn" => Some(role(weight)),
+        _ => None,
+    });
+    let mut proj = |name: &'static str| {
+        ops.take(move |o| match o {
+            Op::Matvec { weight, input, out, .. } if input == "xn" && out == name => Some(role(weight)),
+            _ => None,
+        })
+    };
+    let (Some(norm), Some(wq), Some(wk), Some(wv)) = (norm, proj("q"), proj("k"), proj("v")) else { return Err(ops.refuse()) };
+    out.k("norm_qkv", Grid::Matvec { in_features: h, rows: q + 2 * kv, nr: 1 }, MV, vec![Arg::Buf(Buf::X), w(norm), w(wq), w(wk), w(wv), Arg::Buf(Buf::Qkv)]);
+    out.pk("rows_norm", Grid::Rows, 256, vec![Arg::Buf(Buf::PX), w(norm), Arg::Buf(Buf::PXn)]);
+    for (r, col, n) in [(wq, 0, q), (wk, q, kv), (wv, q + kv, kv)] {
+        out.gemm((r, li), Buf::PXn, Buf::PQkv, col, q + 2 * kv, n, h, false);
+    }
+
+    // [per-head QK-norm] [RoPE] KV write, attention
+    let head_norm = |buf: &'static str| {
+        move |o: &Op| match o {
+            Op::QkNorm { weight, buf: b, dim, total } if b == buf && *dim as usize == d.head_dim && total % dim == 0 => Some(role(weight)),
+            _ => None,
+        }
+    };
+    let (qn, kn) = match ops.take(head_norm("q")) {
+        Some(qn) => (w(qn), w(ops.take(head_norm("k")).ok_or_else(|| ops.refuse())?)),
+        None => (Arg::Null, Arg::Null),
+    };
+    let table = |buf: &'static str| {
+        move |o: &Op| match o {
+            Op::Rope { buf: b, table, .. } if b == buf => Some(if table == "local" { RopeTable::Local } else { RopeTable::Global }),
+            _ => None,
+        }
+    };
+    let rope = match ops.take(table("q")) {
+        Some(t) if ops.take(table("k")) == Some(t) => Some(t),
+        Some(_) => return Err(ops.refuse()),
+        None => None,
+    };
+    let (cos, sin) = match rope {
+        Some(t) => (Arg::Buf(Buf::Cos(t)), Arg::Buf(Buf::Sin(t))),
+        None => (Arg::Null, Arg::Null),
+    };
+    ops.take(|o| matches!(o, Op::KvWrite { layer } if *layer as usize == l).then_some(())).ok_or_else(|| ops.refuse())?;
+    let window = ops
+        .take(|o| match o {
+            Op::Attention { layer, window, softcap: None, .. } if *layer as usize == l => Some(Arg::I32(window.map_or(0, |x| x as i32))),
+            _ => None,
+        })
+        .ok_or_else(|| ops.refuse())?;
+    let (kc, vc, use_rope) = (Arg::Buf(Buf::KCache(l)), Arg::Buf(Buf::VCache(l)), Arg::I32(rope.is_some() as i32));
+    out.k(
+        "attn_decode",
+        Grid::HeadSplits { heads: d.heads },
+        ATTN_WARPS * 32,
+        vec![Arg::Buf(Buf::Qkv), qn, kn, cos, sin, Arg::Buf(Buf::Pos), kc, vc, use_rope, window, Arg::Buf(Buf::Part), Arg::Buf(Buf::AttnCount), Arg::Buf(Buf::Att)],
+    );
+    out.pk("qk_rope_kv", Grid::Rows, 256, vec![Arg::Buf(Buf::PQkv), qn, kn, cos, sin, Arg::Buf(Buf::Pos), kc, vc, use_rope]);
+    out.pk("attn_partial", Grid::HeadRowsZ { heads: d.heads }, ATTN_WARPS * 32, vec![Arg::Buf(Buf::PQkv), kc, vc, Arg::Buf(Buf::Pos), window, Arg::Ctx, Arg::Buf(Buf::PPart)]);
+    out.pk("attn_combine_rows", Grid::HeadRowsY { heads: d.heads }, d.head_dim as u32, vec![Arg::Buf(Buf::PPart), Arg::I32(1), Arg::Buf(Buf::PAtt)]);
+
+    // O projection into the residual
+    let wo = ops.take(|o| match o {
+        Op::Matvec { weight, input, out, .. } if input == "att" && out == "o" => Some(role(weight)),
+        _ => None,
+    });
+    let (Some(wo), Some(r)) = (wo, residual(&mut ops, "o")) else { return Err(ops.refuse()) };
+    out.into_residual(r, ("o_residual", "o_proj"), Grid::Matvec { in_features: q, rows: h, nr: 1 }, Buf::Att, (wo, li), Buf::PAtt, h, q);
+
+    // norm + gate/up + activation, then down into the residual
+    let ffn_norm = ops.take(|o| match o {
+        Op::RmsNorm { weight, input, out, .. } if input == "x" && out == "xn" => Some(role(weight)),
+        _ => None,
+    });
+    let mlp = ops.take(|o| matches!(o, Op::Mlp { .. }).then_some(()));
+    let (Some(ffn_norm), Some(())) = (ffn_norm, mlp) else { return Err(ops.refuse()) };
+    let (ffn, gate, up, down) = (d.ffn, Role::FfnGate, Role::FfnUp, Role::FfnDown);
+    out.k("norm_gateup", Grid::Matvec { in_features: h, rows: ffn, nr: 2 }, MV, vec![Arg::Buf(Buf::X), w(ffn_norm), w(gate), w(up), Arg::Buf(Buf::Act)]);
+    out.pk("rows_norm", Grid::Rows, 256, vec![Arg::Buf(Buf::PX), w(ffn_norm), Arg::Buf(Buf::PXn)]);
+    out.gemm((gate, li), Buf::PXn, Buf::PGate, 0, ffn, ffn, h, false);
+    out.gemm((up, li), Buf::PXn, Buf::PUp, 0, ffn, ffn, h, false);
+    out.pk("rows_act", Grid::Elements { width: ffn }, 256, vec![Arg::Buf(Buf::PGate), Arg::Buf(Buf::PUp), Arg::Buf(Buf::PAct), Arg::Elements { width: ffn }]);
+    let r = residual(&mut ops, "down").ok_or_else(|| ops.refuse())?;
+    out.into_residual(r, ("down_residual", "down_proj"), Grid::Matvec { in_features: ffn, rows: h, nr: 1 }, Buf::Act, (down, li), Buf::PAct, h, ffn);
+
+    if ops.done() { Ok(out) } else { Err(ops.refuse()) }
+}
+
+fn lower_prologue(ops: &[Op], d: &Dims) -> Result<Out, Unsupported> {
+    let mut ops = Ops { ops, at: 0 };
+    ops.take(|o| matches!(o, Op::Embed { out, .. } if out == "x").then_some(())).ok_or_else(|| ops.refuse())?;
+    let mut out = Out::default();
+    let table = Arg::Weight(Role::TokenEmbd, None);
+    out.k("embed", Grid::Fixed(d.hidden.div_ceil(256) as u32, 1, 1), 256, vec![table, Arg::Buf(Buf::Tok), Arg::Buf(Buf::X)]);
+    out.pk("rows_embed", Grid::Rows, 256, vec![table, Arg::Buf(Buf::PToks), Arg::Buf(Buf::PX)]);
+    if ops.done() { Ok(out) } else { Err(ops.refuse()) }
+}
+
+/// Final norm + LM head (each block keeps its best logit), then the argmax over the blocks'
+/// candidates, which writes the next token and advances the position.
+fn lower_epilogue(ops: &[Op], d: &Dims) -> Result<Vec<Launch>, Unsupported> {
+    let mut ops = Ops { ops, at: 0 };
+    let norm = ops.take(|o| match o {
+        Op::RmsNorm { weight, input, out, .. } if input == "x" && out == "xn" => Some(role(weight)),
+        _ => None,
+    });
+    let head = ops.take(|o| match o {
+        Op::LmHead { weight, .. } => Some(role(weight)),
+        _ => None,
+    });
+    let (Some(norm), Some(head)) = (norm, head) else { return Err(ops.refuse()) };
+    if !ops.done() {
+        return Err(ops.refuse());
+    }
+    let grid = Grid::Matvec { in_features: d.hidden, rows: d.vocab, nr: 1 };
+    Ok(vec![
+        Launch {
+            kernel: "norm_lm_head",
+            grid,
+            block: MV,
+            args: vec![Arg::Buf(Buf::X), Arg::Weight(norm, None), Arg::Weight(head, None), Arg::Buf(Buf::Logits), Arg::Buf(Buf::ArgPart)],
+        },
+        Launch { kernel: "argmax_step", grid: Grid::Fixed(1, 1, 1), block: 1024, args: vec![Arg::Buf(Buf::ArgPart), Arg::GridX(grid), Arg::Buf(Buf::Tok), Arg::Buf(Buf::Pos)] },
+    ])
+}
+
+/// The whole CUDA schedule of a plan, or the first op the kernels cannot run.
+pub fn cuda_schedule(desc: &Description, plan: &Plan) -> Result<Schedule, Unsupported> {
+    let a = &desc.attention;
+    let d = Dims {
+        hidden: desc.dims.hidden_size as usize,
+        q: (a.num_heads * a.head_dim) as usize,
+        kv: (a.num_kv_heads * a.head_dim) as usize,
+        heads: a.num_heads as usize,
+        head_dim: a.head_dim as usize,
+        ffn: desc.dims.intermediate_size as usize,
+        vocab: desc.dims.vocab_size as usize,
+    };
+    let mut all = lower_prologue(&plan.prologue, &d)?;
+    for lp in &plan.layers {
+        let layer = lower_layer(lp, &d)?;
+        all.decode.extend(layer.decode);
+        all.prefill.extend(layer.prefill);
+    }
+    let epilogue = lower_epilogue(&plan.epilogue, &d)?;
+    all.decode.extend(epilogue.iter().cloned());
+    Ok(Schedule { decode: all.decode, prefill: all.prefill, epilogue })
+}
+
+// ---- The schedule as Rust tokens (the generated `cuda::schedule()`).
+
+fn grid_tokens(g: &Grid) -> TokenStream {
+    match *g {
+        Grid::Matvec { in_features, rows, nr } => quote!(Grid::Matvec { in_features: #in_features, rows: #rows, nr: #nr }),
+        Grid::HeadSplits { heads } => quote!(Grid::HeadSplits { heads: #heads }),
+        Grid::Fixed(x, y, z) => quote!(Grid::Fixed(#x, #y, #z)),
+        Grid::Rows => quote!(Grid::Rows),
+        Grid::HeadRowsZ { heads } => quote!(Grid::HeadRowsZ { heads: #heads }),
+        Grid::HeadRowsY { heads } => quote!(Grid::HeadRowsY { heads: #heads }),
+        Grid::Elements { width } => quote!(Grid::Elements { width: #width }),
+    }
+}
+
+fn buf_tokens(b: Buf) -> TokenStream {
+    let table = |t: RopeTable| match t {
+        RopeTable::Global => quote!(RopeTable::Global),
+        RopeTable::Local => quote!(RopeTable::Local),
+    };
+    match b {
+        Buf::Cos(t) => {
+            let t = table(t);
+            quote!(Buf::Cos(#t))
+        }
+        Buf::Sin(t) => {
+            let t = table(t);
+            quote!(Buf::Sin(#t))
+        }
+        Buf::KCache(l) => quote!(Buf::KCache(#l)),
+        Buf::VCache(l) => quote!(Buf::VCache(#l)),
+        other => {
+            let v = quote::format_ident!("{}", format!("{other:?}"));
+            quote!(Buf::#v)
+        }
+    }
+}
+
+fn weight_tokens(r: Role, l: Option<u32>) -> TokenStream {
+    let v = quote::format_ident!("{}", format!("{r:?}"));
+    let l = match l {
+        Some(l) => quote!(Some(#l)),
+        None => quote!(None),
+    };
+    quote!(Role::#v, #l)
+}
+
+fn arg_tokens(a: &Arg) -> TokenStream {
+    match *a {
+        Arg::Buf(b) => {
+            let b = buf_tokens(b);
+            quote!(Arg::Buf(#b))
+        }
+        Arg::Weight(r, l) => {
+            let w = weight_tokens(r, l);
+            quote!(Arg::Weight(#w))
+        }
+        Arg::Null => quote!(Arg::Null),
+        Arg::I32(v) => quote!(Arg::I32(#v)),
+        Arg::GridX(g) => {
+            let g = grid_tokens(&g);
+            quote!(Arg::GridX(#g))
+        }
+        Arg::Ctx => quote!(Arg::Ctx),
+        Arg::Elements { width } => quote!(Arg::Elements { width: #width }),
+    }
+}
+
+fn launch_tokens(l: &Launch) -> TokenStream {
+    let (k, g, b) = (l.kernel, grid_tokens(&l.grid), l.block);
+    let args = l.args.iter().map(arg_tokens);
+    quote!(Launch { kernel: #k, grid: #g, block: #b, args: vec![#(#args),*] })
+}
+
+fn step_tokens(s: &Step) -> TokenStream {
+    match s {
+        Step::Kernel(l) => {
+            let l = launch_tokens(l);
+            quote!(Step::Kernel(#l))
+        }
+        Step::Gemm(g) => {
+            let w = weight_tokens(g.weight.0, g.weight.1);
+            let (i, o) = (buf_tokens(g.input), buf_tokens(g.out));
+            let (col, ldc, n, k, acc) = (g.out_col, g.ldc, g.n, g.k, g.accumulate);
+            quote!(Step::Gemm(Gemm { weight: (#w), input: #i, out: #o, out_col: #col, ldc: #ldc, n: #n, k: #k, accumulate: #acc }))
+        }
+    }
+}
+
+/// The body of the generated `cuda::schedule()`: the schedule as literal data, or the refusal.
+pub fn schedule_tokens(arch: &str, s: &Result<Schedule, Unsupported>) -> TokenStream {
+    match s {
+        Ok(s) => {
+            let decode = s.decode.iter().map(launch_tokens);
+            let prefill = s.prefill.iter().map(step_tokens);
+            let epilogue = s.epilogue.iter().map(launch_tokens);
+            quote! {
+                Ok(Schedule {
+                    decode: vec![#(#decode),*],
+                    prefill: vec![#(#prefill),*],
+                    epilogue: vec![#(#epilogue),*],
+                })
+            }
+        }
+        Err(Unsupported(what)) => quote!(Err(PlanError::Unsupported { arch: #arch.to_string(), what: #what.to_string() })),
+    }
+}

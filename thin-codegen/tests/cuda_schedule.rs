@@ -1,0 +1,238 @@
+//! The CUDA schedule thin-codegen derives from each plan: every feature a description can state is
+//! either run by both backends or refused by the GPU with a typed error naming it (never skipped);
+//! the schedule of each generated engine against a real converted archive (every weight it reads
+//! exists with the shape the kernels assume, per-layer RoPE and windows as the converter recorded
+//! them from the HF config); and the launch-order invariants the kernels rely on. Host-side only.
+
+use std::path::{Path, PathBuf};
+
+use thin_codegen::{cuda_schedule, lower, parse, validate, Unsupported};
+use thin_core::arch::LayerAttention;
+use thin_core::convert::{convert, ConvertOptions};
+use thin_core::cuda::plan::{Arg, Buf, CudaArch, Grid, Launch, PlanError, RopeTable, Schedule, Step};
+use thin_core::format::Archive;
+use thin_core::quant::Profile;
+use thin_core::role::Role;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The schedule of a description given as text (after `edit`), or the GPU's refusal.
+fn schedule_of(file: &str, edit: impl Fn(String) -> String) -> Result<Schedule, Unsupported> {
+    let text = edit(std::fs::read_to_string(root().join(file)).unwrap());
+    let d = parse(file, &text).unwrap();
+    validate(file, &d).unwrap();
+    cuda_schedule(&d, &lower(&d))
+}
+
+fn kernels(s: &Schedule) -> Vec<&'static str> {
+    s.decode.iter().map(|l| l.kernel).collect()
+}
+
+#[test]
+fn pre_norm_layers_are_five_kernels_and_sandwich_layers_seven() {
+    let llama = schedule_of("archs/tiny/llama-tiny.toml", |t| t).unwrap();
+    let layer = ["norm_qkv", "attn_decode", "o_residual", "norm_gateup", "down_residual"];
+    let want: Vec<&str> = std::iter::once("embed").chain(layer.iter().copied().cycle().take(2 * 5)).chain(["norm_lm_head", "argmax_step"]).collect();
+    assert_eq!(kernels(&llama), want);
+    assert_eq!(llama.epilogue, llama.decode[llama.decode.len() - 2..], "prefill ends with the decode step's tail");
+    let gemma = schedule_of("archs/tiny/gemma3-tiny.toml", |t| t).unwrap();
+    let layer = ["norm_qkv", "attn_decode", "o_proj", "norm_residual", "norm_gateup", "down_proj", "norm_residual"];
+    assert_eq!(kernels(&gemma)[1..8], layer);
+    assert_eq!(gemma.decode.len(), 1 + 6 * 7 + 2);
+    let post: Vec<Arg> = gemma.decode.iter().filter(|l| l.kernel == "norm_residual").take(2).map(|l| l.args[1]).collect();
+    assert_eq!(post, [Arg::Weight(Role::AttnPostNorm, Some(0)), Arg::Weight(Role::FfnPostNorm, Some(0))]);
+}
+
+/// A feature one backend honours and the other skips is impossible: every plan op is taken by a
+/// kernel or the schedule is refused naming it, while the CPU engine runs the same plan.
+#[test]
+fn a_feature_the_kernels_lack_is_refused_by_name() {
+    let cases: [(&str, fn(String) -> String, &str); 4] = [
+        (
+            "archs/tiny/llama-tiny.toml",
+            |t| t.replace("qk_norm = \"none\"", "qk_norm = \"whole\"")
+                + "attn_q_norm = { hf = \"model.layers.{l}.self_attn.q_norm.weight\", gguf = \"blk.{l}.attn_q_norm.weight\" }\n\
+                   attn_k_norm = { hf = \"model.layers.{l}.self_attn.k_norm.weight\", gguf = \"blk.{l}.attn_k_norm.weight\" }\n",
+            "QK-norm over the whole projection (attn_q_norm over 64 values)",
+        ),
+        ("archs/tiny/gemma3-tiny.toml", |t| t.replace("[rope]", "softcap = 50.0\n\n[rope]"), "attention logit softcapping (50)"),
+        ("archs/tiny/gemma3-tiny.toml", |t| format!("final_logit_softcap = 30.0\n{t}"), "final logit softcapping (30)"),
+        ("archs/tiny/olmoe-tiny.toml", |t| t.replace("qk_norm = \"whole\"", "qk_norm = \"none\""), "mixture-of-experts layers"),
+    ];
+    for (file, edit, what) in cases {
+        let text = edit(std::fs::read_to_string(root().join(file)).unwrap());
+        // The CPU engine takes the description: it generates, and its plan has the op.
+        let (_, plan, src) = thin_codegen::generate_one(file, &text).unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert!(!plan.layers.is_empty() && src.contains("pub fn arch() -> Result<CudaArch, PlanError>"));
+        let d = parse(file, &text).unwrap();
+        assert_eq!(cuda_schedule(&d, &plan), Err(Unsupported(what.into())), "{file}");
+        // The generated module refuses with the same words.
+        assert!(src.contains(what), "{file}: the generated cuda::arch() does not name {what:?}");
+    }
+}
+
+#[test]
+fn olmoe_is_refused_by_name() {
+    let e = thin_generated::olmoe_tiny::cuda::arch().unwrap_err();
+    match &e {
+        PlanError::Unsupported { arch, what } => assert_eq!((arch.as_str(), what.as_str()), ("olmoe-tiny", "QK-norm over the whole projection (attn_q_norm over 64 values)")),
+        other => panic!("{other}"),
+    }
+    assert!(e.to_string().contains("use --backend cpu"), "{e}");
+}
+
+#[test]
+fn layers_without_rope_and_sliding_windows_reach_attention() {
+    let s = schedule_of("archs/tiny/smollm3-tiny.toml", |t| t).unwrap();
+    let attn: Vec<&Launch> = s.decode.iter().filter(|l| l.kernel == "attn_decode").collect();
+    // Every 4th layer has no RoPE: no table, flag 0.
+    assert_eq!(attn.iter().map(|l| l.args[8]).collect::<Vec<_>>(), [Arg::I32(1), Arg::I32(1), Arg::I32(1), Arg::I32(0)]);
+    assert_eq!((attn[3].args[3], attn[3].args[4]), (Arg::Null, Arg::Null));
+    let g = schedule_of("archs/tiny/gemma3-tiny.toml", |t| t).unwrap();
+    let attn: Vec<&Launch> = g.decode.iter().filter(|l| l.kernel == "attn_decode").collect();
+    assert_eq!(attn.iter().map(|l| l.args[9]).collect::<Vec<_>>(), [4, 4, 4, 4, 4, 0].map(Arg::I32), "five sliding layers (window 4), one global");
+    assert_eq!(attn[0].args[3], Arg::Buf(Buf::Cos(RopeTable::Local)));
+    assert_eq!(attn[5].args[3], Arg::Buf(Buf::Cos(RopeTable::Global)));
+    assert_eq!(attn[0].args[1], Arg::Weight(Role::AttnQNorm, Some(0)), "per-head QK-norm weights");
+}
+
+#[test]
+fn prefill_is_gemms_around_row_kernels() {
+    let s = schedule_of("archs/tiny/llama-tiny.toml", |t| t).unwrap();
+    let gemms: Vec<_> = s.prefill.iter().filter_map(|s| if let Step::Gemm(g) = s { Some(g) } else { None }).collect();
+    assert_eq!(gemms.len(), 2 * 7, "q, k, v, o, gate, up, down per layer");
+    let qkv = 4 * 16 + 2 * 2 * 16;
+    assert_eq!((gemms[1].out_col, gemms[1].ldc, gemms[1].n, gemms[1].k), (64, qkv, 32, 64), "k lands after q in the qkv rows");
+    assert!(gemms.iter().filter(|g| g.accumulate).all(|g| g.out == Buf::PX), "only the residual GEMMs accumulate");
+    assert_eq!(gemms.iter().filter(|g| g.accumulate).count(), 4);
+    let attn = s.prefill.iter().find_map(|s| if let Step::Kernel(k) = s { (k.kernel == "attn_partial").then_some(k) } else { None }).unwrap();
+    assert_eq!((attn.grid, attn.args[5]), (Grid::HeadRowsZ { heads: 4 }, Arg::Ctx), "a block per head and prompt row, one split over the cache");
+}
+
+#[test]
+fn residual_adds_follow_a_kernel_that_leaves_the_residual_alone() {
+    // o_residual and down_residual read their residual rows before their PDL wait (the matvec
+    // template's `res`): the kernel just before them must not write X.
+    const LEAVE_X: &[&str] = &["attn_decode", "norm_gateup"];
+    for file in ["archs/smollm2-135m.toml", "archs/llama3.2-1b.toml", "archs/smollm3-3b.toml"] {
+        let s = schedule_of(file, |t| t).unwrap();
+        let mut seen = 0;
+        for w in s.decode.windows(2) {
+            if matches!(w[1].kernel, "o_residual" | "down_residual") {
+                assert!(LEAVE_X.contains(&w[0].kernel), "{file}: {} comes right after {}", w[1].kernel, w[0].kernel);
+                seen += 1;
+            }
+        }
+        assert_eq!(seen, 2 * s.decode.iter().filter(|l| l.kernel == "attn_decode").count(), "{file}");
+    }
+}
+
+fn archive(name: &str, dir: &tempfile::TempDir) -> Archive {
+    let src = root().join("tests/fixtures/tiny").join(name);
+    let out = dir.path().join(format!("{name}.thin"));
+    convert(&src, &out, &ConvertOptions { profile: Profile::Bf16, progress: false }).expect("convert");
+    Archive::open(&out).expect("open")
+}
+
+fn expected_elems(a: &CudaArch, role: Role) -> usize {
+    let (q, kv, h) = (a.heads * a.head_dim, a.kv_heads * a.head_dim, a.hidden);
+    match role {
+        Role::TokenEmbd | Role::LmHead => a.vocab * h,
+        Role::AttnQ => q * h,
+        Role::AttnK | Role::AttnV => kv * h,
+        Role::AttnO => h * q,
+        Role::FfnGate | Role::FfnUp | Role::FfnDown => a.ffn * h,
+        Role::AttnQNorm | Role::AttnKNorm => a.head_dim,
+        _ => h,
+    }
+}
+
+fn check(name: &str, arch: Result<CudaArch, PlanError>) {
+    let arch = arch.unwrap_or_else(|e| panic!("{name}: {e}"));
+    let dir = tempfile::tempdir().unwrap();
+    let ar = archive(name, &dir);
+    let m = ar.manifest();
+    assert_eq!(m.shape_fingerprint, arch.fingerprint, "{name}");
+    let attn: Vec<&Launch> = arch.schedule.decode.iter().filter(|l| l.kernel == "attn_decode").collect();
+    assert_eq!(attn.len() as u64, m.arch.num_layers);
+    for (l, la) in attn.iter().enumerate() {
+        assert_eq!(la.args[8] == Arg::I32(0), m.arch.no_rope_layers.contains(&(l as u64)), "{name} layer {l} rope");
+        let sliding = m.arch.layer_attention.get(l) == Some(&LayerAttention::SlidingWindow);
+        let want = if sliding { m.arch.sliding_window.unwrap() as i32 } else { 0 };
+        assert_eq!(la.args[9], Arg::I32(want), "{name} layer {l} window");
+        assert_eq!(la.args[6], Arg::Buf(Buf::KCache(l)), "{name} layer {l} cache");
+    }
+    for (role, layer) in arch.schedule.weights() {
+        let t = m.tensor(role, layer).unwrap_or_else(|| panic!("{name}: the schedule reads {role:?} {layer:?}, absent from the archive"));
+        let n: u64 = t.shape.iter().product();
+        assert_eq!(n as usize, expected_elems(&arch, role), "{name}: {role:?} {layer:?} shape {:?}", t.shape);
+    }
+    assert!(arch.kernels_bf16.contains(&format!("constexpr int HIDDEN = {};", arch.hidden)), "{name}: kernels rendered at the arch's shapes");
+    assert!(arch.kernels_f32.contains("typedef float W;"));
+}
+
+#[test]
+fn llama_schedule_matches_its_archive() {
+    check("llama-tiny", thin_generated::llama_tiny::cuda::arch());
+}
+
+#[test]
+fn smollm3_schedule_skips_rope_where_the_archive_says() {
+    check("smollm3-tiny", thin_generated::smollm3_tiny::cuda::arch());
+}
+
+#[test]
+fn gemma3_schedule_has_windows_local_rope_and_sandwich_norms() {
+    let a = thin_generated::gemma3_tiny::cuda::arch().unwrap();
+    assert!(a.kernels_bf16.contains("tanhf"), "GeGLU-tanh activation");
+    check("gemma3-tiny", Ok(a));
+}
+
+/// The text of `extern "C" __global__` kernel `name` in `src`, to its closing brace in column 0.
+fn kernel_body<'a>(src: &'a str, name: &str) -> &'a str {
+    let start = src
+        .match_indices("extern \"C\" __global__")
+        .map(|(i, _)| i)
+        .find(|&i| src[i..].lines().next().is_some_and(|head| head.contains(&format!(" {name}("))))
+        .unwrap_or_else(|| panic!("no kernel {name}"));
+    let len = src[start..].find("\n}\n").or_else(|| src[start..].trim_end().ends_with("\n}").then(|| src[start..].trim_end().len() - 2)).unwrap_or_else(|| panic!("kernel {name} has no closing brace in column 0"));
+    &src[start..start + len]
+}
+
+/// Whether `text` calls pdl_enter(), directly or through device functions up to `depth` deep
+/// (the matvec core and attn_decode_block call it).
+fn waits(src: &str, text: &str, depth: usize) -> bool {
+    if text.contains("pdl_enter();") {
+        return true;
+    }
+    depth > 0
+        && src.match_indices("__device__ __forceinline__ void ").any(|(i, m)| {
+            let rest = &src[i + m.len()..];
+            let name = &rest[..rest.find(|c: char| !(c.is_alphanumeric() || c == '_')).unwrap_or(0)];
+            let def = &rest[..rest.find("\n}\n").unwrap_or(rest.len())];
+            !name.is_empty() && (text.contains(&format!(" {name}(")) || text.contains(&format!(" {name}<"))) && waits(src, def, depth - 1)
+        })
+}
+
+/// Programmatic dependent launch lets a decode kernel start while the previous one runs; only its
+/// `pdl_enter()` (griddepcontrol.wait) orders it after that kernel's writes. A kernel of the
+/// decode graph without it reads stale activations (the 68ebf5d attempt: attn_decode had none,
+/// and decode logits came out at cosine ~0). Every kernel a schedule launches must call it,
+/// directly or through the matvec core, which calls it before staging its input.
+#[test]
+fn every_scheduled_kernel_waits_for_its_predecessor() {
+    let archs = [thin_generated::llama_tiny::cuda::arch(), thin_generated::smollm3_tiny::cuda::arch(), thin_generated::gemma3_tiny::cuda::arch()];
+    for a in archs.into_iter().map(Result::unwrap) {
+        for src in [a.kernels_bf16, a.kernels_f32] {
+            let core = &src[src.find("__device__ __forceinline__ void matvec(").expect("matvec core")..];
+            let core = &core[..core.find("\n}\n").unwrap()];
+            let wait = core.find("pdl_enter();").expect("the matvec core calls pdl_enter");
+            assert!(wait < core.find("stage();").unwrap(), "the matvec core waits before staging its input");
+            for k in a.schedule.kernels() {
+                assert!(waits(src, kernel_body(src, k), 3), "{}: kernel {k} never calls pdl_enter()", a.arch);
+            }
+        }
+    }
+}
