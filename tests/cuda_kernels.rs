@@ -12,14 +12,13 @@
 //! tests print "skipped: no CUDA driver" and pass.
 //!
 //! Per arch: the kernel constants and RoPE tables; embed, norm_lm_head (logits and its per-block
-//! argmax candidates), argmax_step (after norm_lm_head and on made-up candidates), attn_combine on
-//! made-up partials, rows_embed, rows_act; then for layer 0, the last layer and the first NoPE
+//! argmax candidates), argmax_step (after norm_lm_head and on made-up candidates), attn_combine_rows
+//! on made-up partials, rows_embed, rows_act; then for layer 0, the last layer and the first NoPE
 //! layer: norm_qkv, attn_decode (cache row, attention output, block counter) at positions 0 and
-//! 150, norm_gateup, down_residual, qk_rope_kv, attn_partial + attn_combine, o_residual, and
+//! 150, norm_gateup, the O and down projections as scheduled (`*_residual`, or `*_proj` and
+//! `norm_residual` on sandwich archs), qk_rope_kv, attn_partial + attn_combine_rows, and
 //! prefill's rows_norm, the seven GEMMs, qk_rope_kv and attn_partial + attn_combine_rows over 7
-//! rows. Each arch's residual projections run both ways (`o_residual`/`o_proj`,
-//! `down_residual`/`down_proj`: the plan's launch and the same launch retarget as plan.rs builds
-//! the other kind of arch), and `norm_residual` over prefill rows; a last check fails if any
+//! rows, and `norm_residual` over prefill rows where scheduled; a last check fails if any
 //! kernel the module defines never ran. The decode forms of qk_rope_kv, attn_partial and
 //! attn_combine_rows (over `Qkv` and the split partials) are launched by hand from the schedule's
 //! prefill launches: the split merge is only reached that way. Not covered: the f32-weight
@@ -363,15 +362,6 @@ fn argmax_of(vocab: usize, cands: &[(f32, i32)]) -> u32 {
 /// The first `kernel` launch of `list` (of layer `layer`, if given).
 fn find(list: &[Launch], kernel: &str, layer: Option<usize>) -> Launch {
     list.iter().find(|l| l.kernel == kernel && (layer.is_none() || layer_of(l) == layer)).cloned().unwrap_or_else(|| panic!("no {kernel} launch for layer {layer:?}"))
-}
-
-/// `la` as another kernel with the same arguments but its output (the last one) in `out`: how
-/// plan.rs launches the sandwich variants (`o_proj`, `down_proj`).
-fn retarget(la: &Launch, kernel: &'static str, out: Buf) -> Launch {
-    let mut la = la.clone();
-    la.kernel = kernel;
-    *la.args.last_mut().expect("arguments") = Arg::Buf(out);
-    la
 }
 
 /// An attention launch with its `window` argument (number `idx`) set: 0 = full attention.
@@ -905,39 +895,34 @@ impl<'a> T<'a> {
         self.check(&name, g.weight.1.map(|l| l as usize), case, &got[..want.len()], &want, TOL_GEMM);
     }
 
-    /// `x += rmsnorm(y) * g` per row, as plan.rs launches it in prefill on sandwich archs; this
-    /// layer's ffn_norm stands in for the post-norm these archs lack (any f32 `[hidden]` vector).
-    fn norm_residual(&mut self, l: usize) {
+    /// `x += rmsnorm(y) * g` per row, `la` one of the schedule's norm_residual launches (sandwich
+    /// archs): the decode form (O into X) on one row, the prefill form (PO into PX) on ROWS.
+    fn norm_residual(&mut self, la: &Launch, l: usize) {
         let h = self.h;
-        let args = vec![Arg::Buf(Buf::PO), Arg::Weight(Role::FfnNorm, Some(l as u32)), Arg::Buf(Buf::PX)];
-        let la = Launch { kernel: "norm_residual", grid: Grid::Rows, block: 256, args };
-        let y = self.rand(ROWS * h, 2.0);
-        let mut want = self.rand((ROWS + 1) * h, 1.0);
-        self.put(Buf::PO, &y);
-        self.put(Buf::PX, &want);
-        self.run(&la, ROWS);
-        let g = self.wt(Role::FfnNorm, l);
+        let (Arg::Buf(from), Arg::Weight(role, _), Arg::Buf(into)) = (la.args[0], la.args[1], la.args[2]) else { panic!("norm_residual: arguments {:?}", la.args) };
+        let rows = if from == Buf::PO { ROWS } else { 1 };
+        let y = self.rand(rows * h, 2.0);
+        let mut want = self.rand((rows + (rows > 1) as usize) * h, 1.0);
+        self.put(from, &y);
+        self.put(into, &want);
+        self.run(la, rows);
+        let g = self.wt(role, l);
         for (yr, wr) in y.chunks(h).zip(want.chunks_mut(h)) {
             wr.iter_mut().zip(self.rms(yr, &g)).for_each(|(o, n)| *o += n);
         }
-        let got = self.get(Buf::PX);
-        self.check("norm_residual", Some(l), format!("PO -> PX rows={ROWS}"), &got[..want.len()], &want, TOL_F32);
+        let got = self.get(into);
+        self.check("norm_residual", Some(l), format!("{} {from:?} -> {into:?} rows={rows}", role.name()), &got[..want.len()], &want, TOL_F32);
     }
 
-    /// Layer `l`'s projection into the residual stream both ways: `add` (x += W in, into X) and
-    /// `plain` (o = W in, into O, the sandwich-norm path). The fused plan launches one of them;
-    /// the other is the same launch retargeted, as plan.rs builds it for the other kind of arch.
-    fn residual_pair(&self, add: &'static str, plain: &'static str, l: usize) -> (Launch, Launch) {
-        match self.fused.iter().find(|k| k.kernel == add && layer_of(k) == Some(l)) {
-            Some(la) => (la.clone(), retarget(la, plain, Buf::O)),
-            None => {
-                let la = find(&self.fused, plain, Some(l));
-                (retarget(&la, add, Buf::X), la)
-            }
-        }
+    /// Layer `l`'s projection from `input` into the residual stream, as the schedule launches it:
+    /// `*_residual` adds into X, `*_proj` writes O (the sandwich path, a norm_residual after it).
+    fn projection(&mut self, l: usize, input: Buf, role: Role) {
+        let la = self.fused.iter().find(|k| k.args.first() == Some(&Arg::Buf(input)) && k.args.get(1) == Some(&Arg::Weight(role, Some(l as u32)))).cloned().expect("projection launch");
+        let Some(&Arg::Buf(out)) = la.args.last() else { panic!("{}: no output buffer", la.kernel) };
+        self.matvec_kernel(&la, input, role, out, out == Buf::X, l);
     }
 
-    /// Every kernel of one layer: the fused decode step's, the unfused step's, prefill's.
+    /// Every kernel of one layer: the decode step's, the decode forms of prefill's attention pieces, prefill's.
     fn layer(&mut self, l: usize) {
         let window = self.layers[l].window;
         self.norm_qkv(l, 2.0);
@@ -953,9 +938,7 @@ impl<'a> T<'a> {
             self.attn_decode(l, 150, Some(40));
         }
         self.norm_gateup(l);
-        let (down, down_proj) = self.residual_pair("down_residual", "down_proj", l);
-        self.matvec_kernel(&down, Buf::Act, Role::FfnDown, Buf::X, true, l);
-        self.matvec_kernel(&down_proj, Buf::Act, Role::FfnDown, Buf::O, false, l);
+        self.projection(l, Buf::Act, Role::FfnDown);
 
         let rope = find(&self.unfused, "qk_rope_kv", Some(l));
         let part = find(&self.unfused, "attn_partial", Some(l));
@@ -967,9 +950,7 @@ impl<'a> T<'a> {
         if l == 0 && window.is_none() {
             self.attn_partial(&part, &combine, 1, l, 150, Some(40));
         }
-        let (o, o_proj) = self.residual_pair("o_residual", "o_proj", l);
-        self.matvec_kernel(&o, Buf::Att, Role::AttnO, Buf::X, true, l);
-        self.matvec_kernel(&o_proj, Buf::Att, Role::AttnO, Buf::O, false, l);
+        self.projection(l, Buf::Att, Role::AttnO);
 
         self.rows_norm(l, Role::AttnNorm);
         self.rows_norm(l, Role::FfnNorm);
@@ -985,7 +966,10 @@ impl<'a> T<'a> {
             self.qk_rope_kv(&rope, Buf::PQkv, ROWS, l, pos);
             self.attn_partial(&part, &combine, ROWS, l, pos, window);
         }
-        self.norm_residual(l);
+        let post: Vec<Launch> = self.fused.iter().chain(&self.prefill).filter(|k| k.kernel == "norm_residual" && layer_of(k) == Some(l)).cloned().collect();
+        for la in &post {
+            self.norm_residual(la, l);
+        }
     }
 
     /// Every kernel the runtime knows ran in some check.

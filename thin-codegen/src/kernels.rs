@@ -2,6 +2,8 @@
 
 use std::collections::BTreeMap;
 
+use thin_core::cuda::plan::Schedule;
+
 use crate::description::*;
 
 /// The decode-step kernels of one arch at its exact shapes, for one weight storage type.
@@ -25,13 +27,23 @@ pub struct DecodeKernels {
     pub attn_cluster: usize,
     pub matvec_warps: u32,
     pub attn_warps: u32,
+    /// The kernels the schedule launches: the variants it does not use are not rendered.
+    pub kernels: Vec<&'static str>,
+}
+
+impl DecodeKernels {
+    /// Whether the schedule launches kernel `name` (the template renders it only then).
+    fn uses(&self, name: &str) -> bool {
+        self.kernels.contains(&name)
+    }
 }
 
 /// Weight storage types the kernels are instantiated for: (file/name suffix, whether bf16).
 pub const KERNEL_WEIGHT_TYPES: [&str; 2] = ["bf16", "f32"];
 
-/// CUDA sources of one arch: file name → source (without header), one per weight storage type.
-pub fn emit_kernels(d: &Description) -> Result<BTreeMap<String, String>, askama::Error> {
+/// CUDA sources of one arch: file name → source (without header), one per weight storage type,
+/// holding the kernels `schedule` launches.
+pub fn emit_kernels(d: &Description, schedule: &Schedule) -> Result<BTreeMap<String, String>, askama::Error> {
     use askama::Template;
     use thin_core::cuda::plan as cp;
     let a = &d.attention;
@@ -59,6 +71,7 @@ pub fn emit_kernels(d: &Description) -> Result<BTreeMap<String, String>, askama:
             attn_cluster: cp::ATTN_CLUSTER,
             matvec_warps: cp::MATVEC_WARPS,
             attn_warps: cp::ATTN_WARPS,
+            kernels: schedule.kernels(),
         };
         out.insert(format!("decode_{wname}.cu"), k.render()?);
     }

@@ -65,7 +65,7 @@ pub fn generate_one_with_kernels(rel: &str, text: &str) -> Result<(String, Plan,
     let file = syn::parse2::<syn::File>(tokens).map_err(|e| CodegenError::Parse { file: rel.into(), msg: format!("emitted Rust does not parse: {e}") })?;
     let rust_hash = inputs_hash(std::iter::once(text).chain(RUST_INPUTS));
     let kernel_hash = inputs_hash(std::iter::once(text).chain(KERNEL_INPUTS));
-    let kernels = if schedule.is_err() { BTreeMap::new() } else { emit_kernels(&d).map_err(|e| CodegenError::Parse { file: rel.into(), msg: format!("kernel template: {e}") })? };
+    let kernels = match &schedule { Err(_) => BTreeMap::new(), Ok(s) => emit_kernels(&d, s).map_err(|e| CodegenError::Parse { file: rel.into(), msg: format!("kernel template: {e}") })? };
     let kernels = kernels.into_iter().map(|(k, v)| (k, header(rel, &kernel_hash) + &v)).collect();
     Ok((d.model.name.clone(), plan, header(rel, &rust_hash) + &prettyplease::unparse(&file), kernels))
 }

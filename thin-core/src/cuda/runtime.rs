@@ -467,16 +467,6 @@ impl CudaEngine {
         Ok(())
     }
 
-    /// A kernel of the module: the schedule's were resolved at load; any other (a kernel test
-    /// launching a variant its arch does not schedule) is looked up now.
-    fn function(&self, name: &'static str) -> Result<cusys::CUfunction, CudaError> {
-        if let Some(f) = self.funcs.get(name) {
-            return Ok(*f);
-        }
-        let c = CString::new(name).map_err(|_| CudaError::Driver { what: "resolving a kernel", err: format!("bad kernel name {name:?}") })?;
-        drv("resolving a kernel", unsafe { cu::module::get_function(self.module, c) })
-    }
-
     /// An argument's value in a pass of `rows` rows (the decode step: 1).
     fn resolve(&self, a: &Arg, rows: usize) -> Result<ParamValue, CudaError> {
         Ok(match *a {
@@ -496,7 +486,7 @@ impl CudaEngine {
     /// it may start while the previous kernel drains, and its `pdl_enter()` (every kernel calls it
     /// before touching activations) waits for that kernel's completion and writes.
     fn launch(&self, l: &Launch, rows: usize, pdl: bool) -> Result<(), CudaError> {
-        let f = self.function(l.kernel)?;
+        let f = *self.funcs.get(l.kernel).ok_or(CudaError::Driver { what: "launching", err: format!("{} is not a kernel of this schedule", l.kernel) })?;
         let grid = self.layout.grid(l.grid, rows);
         let mut values: Vec<ParamValue> = l.args.iter().map(|a| self.resolve(a, rows)).collect::<Result<_, _>>()?;
         let mut params: Vec<*mut c_void> = values
