@@ -7,103 +7,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use serde_json::json;
-use thin_core::engine::Engine;
-use thin_core::format::Archive;
 use thin_core::role::Role;
 use thin_core::sampler::argmax;
-
-pub use thin_core::cuda::CudaOptions;
-
-/// An engine the benchmark can drive, with the greedy fast path where the backend has one.
-pub trait BenchEngine: Engine {
-    fn greedy(&mut self, token: u32) -> anyhow::Result<u32> {
-        Ok(argmax(&self.decode_step(token)?))
-    }
-    /// Device memory the engine's own buffers hold (weights, activations, KV cache).
-    fn device_bytes(&self) -> Option<usize> {
-        None
-    }
-    /// Device memory the engine has added since its context existed, as the driver counts it.
-    fn measured_device_bytes(&self) -> Option<usize> {
-        None
-    }
-    fn load_stats(&self) -> serde_json::Value {
-        serde_json::Value::Null
-    }
-    /// Per-kernel device times of the decode step (`thin bench --profile`).
-    fn profile(&mut self, _reps: usize) -> anyhow::Result<serde_json::Value> {
-        bail!("this backend has no kernel profile")
-    }
-    /// Each kernel's cost inside the replayed decode step (`thin bench --timeline`).
-    fn timeline(&mut self, _steps: usize) -> anyhow::Result<serde_json::Value> {
-        bail!("this backend has no step timeline")
-    }
-}
-
-#[cfg(feature = "cuda")]
-impl BenchEngine for thin_core::cuda::runtime::CudaEngine {
-    fn greedy(&mut self, token: u32) -> anyhow::Result<u32> {
-        Ok(self.next_greedy(token)?)
-    }
-    fn device_bytes(&self) -> Option<usize> {
-        Some(thin_core::cuda::runtime::CudaEngine::device_bytes(self))
-    }
-    fn measured_device_bytes(&self) -> Option<usize> {
-        thin_core::cuda::runtime::CudaEngine::measured_device_bytes(self).ok()
-    }
-    fn load_stats(&self) -> serde_json::Value {
-        serde_json::to_value(&self.stats).unwrap_or_default()
-    }
-    fn profile(&mut self, reps: usize) -> anyhow::Result<serde_json::Value> {
-        let rows = thin_core::cuda::runtime::CudaEngine::profile(self, reps)?;
-        self.reset();
-        Ok(serde_json::to_value(rows)?)
-    }
-    fn timeline(&mut self, steps: usize) -> anyhow::Result<serde_json::Value> {
-        let (rows, span_us) = thin_core::cuda::runtime::CudaEngine::timeline(self, steps)?;
-        Ok(json!({"steps": steps, "first_to_last_start_us": span_us, "kernels": rows}))
-    }
-}
-
-/// Open the CUDA engine compiled into this binary for the archive's arch.
-#[cfg(feature = "cuda")]
-pub fn open_cuda(archive: &Archive, opts: &CudaOptions) -> anyhow::Result<thin_core::cuda::runtime::CudaEngine> {
-    let m = archive.manifest();
-    let Some(arch) = thin_generated::cuda_arch(&m.shape_fingerprint) else {
-        bail!(
-            "this thin carries no engine for this archive ({:?}, {} layers, hidden {}, shape fingerprint {}); rebuild with `cargo build --release --features cuda,<arch>` (arch features: {})",
-            m.arch.family,
-            m.arch.num_layers,
-            m.arch.hidden_size,
-            m.shape_fingerprint,
-            thin_generated::AVAILABLE_FEATURES.join(", ")
-        );
-    };
-    Ok(thin_core::cuda::runtime::CudaEngine::new(archive, &arch?, opts)?)
-}
-
-#[cfg(not(feature = "cuda"))]
-pub fn open_cuda(_archive: &Archive, _opts: &CudaOptions) -> anyhow::Result<NoEngine> {
-    bail!("this thin was built without the CUDA backend; rebuild with `cargo build --release --features cuda,<arch>`")
-}
-
-/// Stand-in type so the CLI compiles without `cuda`; never constructed.
-#[cfg(not(feature = "cuda"))]
-pub enum NoEngine {}
-#[cfg(not(feature = "cuda"))]
-impl Engine for NoEngine {
-    fn prefill(&mut self, _: &[u32]) -> Result<Vec<f32>, thin_core::engine::EngineError> {
-        match *self {}
-    }
-    fn decode_step(&mut self, _: u32) -> Result<Vec<f32>, thin_core::engine::EngineError> {
-        match *self {}
-    }
-    fn reset(&mut self) {
-        match *self {}
-    }
-}
-#[cfg(not(feature = "cuda"))]
-impl BenchEngine for NoEngine {}
 
 fn mean_sd(xs: &[f64]) -> (f64, f64) {
     let n = xs.len() as f64;
@@ -113,6 +18,7 @@ fn mean_sd(xs: &[f64]) -> (f64, f64) {
 }
 
 pub struct BenchOptions {
+    pub backend: thin::Backend,
     pub ctx: usize,
     pub warmup: usize,
     pub steps: usize,
@@ -131,18 +37,17 @@ fn synthetic_prompt(n: usize, vocab: usize) -> Vec<u32> {
 
 pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     let start = Instant::now();
-    let archive = Archive::open(file).with_context(|| format!("opening {}", file.display()))?;
-    let m = archive.manifest();
+    let mut session = thin::open(file, &thin::Options { backend: opts.backend, ctx: Some(opts.ctx), progress: !opts.json, timeline: opts.timeline })
+        .with_context(|| format!("opening {}", file.display()))?;
+    let m = session.archive().manifest();
     let vocab = m.arch.vocab_size as usize;
     let profile = m.tensor(Role::TokenEmbd, None).map(|t| t.dtype.name()).unwrap_or("?");
-    let name = thin_generated::arch_name(&m.shape_fingerprint).unwrap_or("?");
-    let tok = thin_core::tokenizer::TextTokenizer::from_info(&m.tokenizer).context("building the tokenizer")?;
-    let hello = tok.encode("Hello").context("encoding the prompt")?;
-    let mut e = open_cuda(&archive, &CudaOptions { ctx: opts.ctx, progress: !opts.json, timeline: opts.timeline })?;
+    let (name, backend) = (session.arch(), session.backend());
+    let hello = session.prompt("Hello", false).context("encoding the prompt")?;
+    let e = session.engine();
     // Cold start to first token: open + compile/cache + upload + capture + the first prefill.
-    let logits = e.prefill(&hello)?;
+    let mut next = argmax(e.prefill(&hello)?);
     let first_token_s = start.elapsed().as_secs_f64();
-    let mut next = argmax(&logits);
 
     // (a) the reference method: prefill "Hello", warm up, time greedy decode steps.
     for _ in 0..opts.warmup {
@@ -154,9 +59,9 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     }
     let decode_tok_s = opts.steps as f64 / t.elapsed().as_secs_f64();
     // At the reference method's position (a short cache), before pp/tg reset it.
-    let kernels = if opts.profile { Some(BenchEngine::profile(&mut e, 50)?) } else { None };
+    let kernels = if opts.profile { Some(e.profile(50)?) } else { None };
     // The kernels' costs inside the step, from the same position on (stamped kernels: --timeline).
-    let timeline = if opts.timeline { Some(BenchEngine::timeline(&mut e, 50)?) } else { None };
+    let timeline = if opts.timeline { Some(e.timeline(50)?) } else { None };
 
     // (b) llama-bench style: pp (prompt of `pp` tokens from an empty cache) and tg (greedy tokens
     // after a one-token prompt), each repeated.
@@ -168,11 +73,10 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     for _ in 0..opts.reps {
         e.reset();
         let t = Instant::now();
-        let l = e.prefill(&prompt)?;
+        std::hint::black_box(e.prefill(&prompt)?);
         pp.push(opts.pp as f64 / t.elapsed().as_secs_f64());
-        std::hint::black_box(l);
         e.reset();
-        let mut n = argmax(&e.prefill(&prompt[..1])?);
+        let mut n = argmax(e.prefill(&prompt[..1])?);
         let t = Instant::now();
         for _ in 0..opts.tg {
             n = e.greedy(n)?;
@@ -185,13 +89,13 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     // peak_gib: what the driver says the engine added (its buffers, module, graph, cuBLAS
     // workspace), read after every timed run (nothing is freed before the engine drops);
     // held_gib: its own buffers alone.
-    let held = BenchEngine::device_bytes(&e).map(gib);
-    let peak = BenchEngine::measured_device_bytes(&e).map(gib);
+    let held = e.device_bytes().map(gib);
+    let peak = e.measured_device_bytes().map(gib);
     let rec = json!({
         "model": name,
         "profile": profile,
         "engine": "thin",
-        "backend": "cuda",
+        "backend": backend,
         "decode_tok_s": (decode_tok_s * 100.0).round() / 100.0,
         "decode_method": format!("prefill \"Hello\" ({} ids), {} warm-up, {} timed greedy steps", hello.len(), opts.warmup, opts.steps),
         "prefill_tok_s": (pp_m * 100.0).round() / 100.0,
@@ -241,13 +145,14 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
 /// little-endian f32 row of `vocab` logits per position from `prompt_len - 1` to the end, from
 /// the CUDA engine or (`cpu`) the CPU reference engine.
 pub fn logits(file: &Path, ids_file: &Path, prompt_len: usize, out: &PathBuf, ctx: usize, cpu: bool) -> anyhow::Result<()> {
-    let archive = std::sync::Arc::new(Archive::open(file).with_context(|| format!("opening {}", file.display()))?);
     let ids: Vec<u32> = serde_json::from_str(&std::fs::read_to_string(ids_file).with_context(|| format!("reading {}", ids_file.display()))?)
         .with_context(|| format!("{}: expected a JSON array of token ids", ids_file.display()))?;
     if prompt_len == 0 || prompt_len > ids.len() {
         bail!("--prompt-len {prompt_len} must be between 1 and the {} ids given", ids.len());
     }
-    let mut e: Box<dyn Engine> = if cpu { thin_generated::open_cpu(archive.clone())? } else { Box::new(open_cuda(&archive, &CudaOptions { ctx, progress: false, timeline: false })?) };
+    let backend = if cpu { thin::Backend::Cpu } else { thin::Backend::Cuda };
+    let mut session = thin::open(file, &thin::Options { backend, ctx: Some(ctx), ..Default::default() }).with_context(|| format!("opening {}", file.display()))?;
+    let e = session.engine();
     let tmp = out.with_extension("partial");
     let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?);
     let mut put = |row: &[f32]| -> anyhow::Result<()> {
@@ -256,9 +161,9 @@ pub fn logits(file: &Path, ids_file: &Path, prompt_len: usize, out: &PathBuf, ct
         }
         Ok(())
     };
-    put(&e.prefill(&ids[..prompt_len])?)?;
+    put(e.prefill(&ids[..prompt_len])?)?;
     for &t in &ids[prompt_len..] {
-        put(&e.decode_step(t)?)?;
+        put(e.decode_step(t)?)?;
     }
     drop(put);
     w.flush()?;

@@ -60,10 +60,12 @@ enum Command {
     },
     /// Check every page checksum of an archive.
     Verify { file: PathBuf },
-    /// Decode speed on the GPU: the reference method (prefill "Hello", warm-up, timed greedy
-    /// steps) and a llama-bench style pp/tg table, mean ± sd over repetitions.
+    /// Decode speed: the reference method (prefill "Hello", warm-up, timed greedy steps) and a
+    /// llama-bench style pp/tg table, mean ± sd over repetitions.
     Bench {
         file: PathBuf,
+        #[arg(long, value_enum, default_value = "cuda")]
+        backend: run::Backend,
         /// KV-cache positions to allocate.
         #[arg(long, default_value_t = 4096)]
         ctx: usize,
@@ -148,8 +150,8 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Bench { file, ctx, warmup, steps, pp, tg, reps, json, profile, timeline } => {
-            bench::bench(&file, &bench::BenchOptions { ctx, warmup, steps, pp, tg, reps, json, profile, timeline })
+        Command::Bench { file, backend, ctx, warmup, steps, pp, tg, reps, json, profile, timeline } => {
+            bench::bench(&file, &bench::BenchOptions { backend: backend.into(), ctx, warmup, steps, pp, tg, reps, json, profile, timeline })
         }
         Command::Logits { file, ids, prompt_len, out, ctx, cpu } => bench::logits(&file, &ids, prompt_len, &out, ctx, cpu),
         Command::Verify { file } => {

@@ -137,16 +137,15 @@ fn text_prompt_ids_are_the_tokenizers_and_ids_the_engines_argmax() {
     let want_prompt = tok.encode(prompt).expect("encode");
     assert_eq!(out.prompt_ids, want_prompt);
 
-    let mut engine = thin_generated::llama_tiny::Engine::new(archive);
-    let mut logits = engine.prefill(&want_prompt).expect("prefill");
+    let mut engine = thin_generated::llama_tiny::Engine::new(archive).expect("bind the weights");
+    let mut id = argmax(engine.prefill(&want_prompt).expect("prefill"));
     let mut want = Vec::new();
     loop {
-        let id = argmax(&logits);
         want.push(id);
         if tok.is_eos(id) || want.len() == 12 {
             break;
         }
-        logits = engine.decode_step(id).expect("decode");
+        id = argmax(engine.decode_step(id).expect("decode"));
     }
     assert_eq!(out.ids(), want);
     let stop = if tok.is_eos(*want.last().expect("a token")) { "eos" } else { "max_tokens" };

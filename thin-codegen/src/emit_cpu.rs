@@ -3,56 +3,97 @@
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
 
+use thin_core::role::Role;
+
 use crate::description::*;
 use crate::lower::*;
 
-fn role_tokens(name: &str) -> TokenStream {
-    let r = thin_core::role::Role::from_name(name).expect("plan names only known roles");
+fn role_ident(r: Role) -> TokenStream {
     let v = format_ident!("{}", format!("{r:?}"));
     quote!(thin_core::role::Role::#v)
 }
 
+/// Every tensor the engine reads, in first-use order, with its element count: the engine binds
+/// them once at load (`WEIGHTS`, checked there) and an op reads its tensor as `w.at(ix[slot])`.
+#[derive(Default)]
+pub(crate) struct Slots(Vec<(Role, Option<u64>, TokenStream)>);
+
+impl Slots {
+    /// The expression reading (role, layer), a tensor of `count` elements.
+    fn at(&mut self, role: Role, layer: Option<u64>, count: TokenStream) -> TokenStream {
+        let k = match self.0.iter().position(|(r, l, _)| *r == role && *l == layer) {
+            Some(k) => k,
+            None => {
+                self.0.push((role, layer, count));
+                self.0.len() - 1
+            }
+        };
+        quote!(w.at(ix[#k]))
+    }
+
+    fn named(&mut self, name: &str, layer: Option<u64>, count: TokenStream) -> TokenStream {
+        self.at(Role::from_name(name).expect("plan names only known roles"), layer, count)
+    }
+
+    /// `const WEIGHTS: [(Role, Option<u32>, usize); N]`.
+    fn table(&self) -> TokenStream {
+        let n = self.0.len();
+        let rows = self.0.iter().map(|(r, l, c)| {
+            let r = role_ident(*r);
+            let l = match l {
+                Some(l) => {
+                    let l = *l as u32;
+                    quote!(Some(#l))
+                }
+                None => quote!(None),
+            };
+            quote!((#r, #l, #c))
+        });
+        quote! {
+            /// Every tensor the engine reads (role, layer, elements), bound once at load.
+            const WEIGHTS: [(thin_core::role::Role, Option<u32>, usize); #n] = [#(#rows),*];
+        }
+    }
+}
+
 pub(crate) fn lit_u(x: u64) -> TokenStream { let x = x as usize; quote!(#x) }
 
-fn emit_op(op: &Op, layer: Option<u64>, eps: f32) -> TokenStream {
-    let lay = match layer { Some(l) => { let l = l as u32; quote!(Some(#l)) } None => quote!(None) };
+fn emit_op(op: &Op, layer: Option<u64>, eps: f32, sl: &mut Slots) -> TokenStream {
     match op {
         Op::Embed { out, hidden, scale } => {
             let out = format_ident!("{}", out);
             let hdn = lit_u(*hidden);
             let sc = *scale as f32;
+            let table = sl.at(Role::TokenEmbd, None, quote!(consts::VOCAB * consts::HIDDEN));
             quote! {
-                let table = w.expect(thin_core::role::Role::TokenEmbd, None, consts::VOCAB * consts::HIDDEN)?;
+                let table = #table;
                 thin_core::cpu::embedding(table, token as usize, #hdn, #sc, &mut s.#out);
             }
         }
         Op::RmsNorm { weight, input, out, dim } => {
-            let r = role_tokens(weight);
-            let d = lit_u(*dim);
+            let g = sl.named(weight, layer, lit_u(*dim));
             let i = format_ident!("{}", input);
             let o = format_ident!("{}", out);
             // The norm weight is read where it is stored (no copy per layer per token).
             if input == out {
                 quote! {
                     s.tmp.copy_from_slice(&s.#i);
-                    thin_core::cpu::rms_norm_view(&s.tmp, w.expect(#r, #lay, #d)?, #eps, &mut s.#o);
+                    thin_core::cpu::rms_norm_view(&s.tmp, #g, #eps, &mut s.#o);
                 }
             } else {
-                quote! { thin_core::cpu::rms_norm_view(&s.#i, w.expect(#r, #lay, #d)?, #eps, &mut s.#o); }
+                quote! { thin_core::cpu::rms_norm_view(&s.#i, #g, #eps, &mut s.#o); }
             }
         }
         Op::Matvec { weight, input, out, out_dim, in_dim } => {
-            let r = role_tokens(weight);
-            let n = lit_u(out_dim * in_dim);
+            let m = sl.named(weight, layer, lit_u(out_dim * in_dim));
             let i = format_ident!("{}", input);
             let o = format_ident!("{}", out);
-            quote! { thin_core::cpu::matvec(w.expect(#r, #lay, #n)?, &s.#i, &mut s.#o); }
+            quote! { thin_core::cpu::matvec(#m, &s.#i, &mut s.#o); }
         }
         Op::QkNorm { weight, buf, dim, .. } => {
-            let r = role_tokens(weight);
-            let d = lit_u(*dim);
+            let g = sl.named(weight, layer, lit_u(*dim));
             let b = format_ident!("{}", buf);
-            quote! { thin_core::cpu::rms_norm_chunks_view(&mut s.#b, w.expect(#r, #lay, #d)?, #eps); }
+            quote! { thin_core::cpu::rms_norm_chunks_view(&mut s.#b, #g, #eps); }
         }
         Op::Rope { buf, table, .. } => {
             let b = format_ident!("{}", buf);
@@ -83,23 +124,25 @@ fn emit_op(op: &Op, layer: Option<u64>, eps: f32) -> TokenStream {
         }
         Op::Mlp { kind, .. } => {
             let act = match kind { MlpKind::Swiglu => quote!(swiglu), MlpKind::GegluTanh => quote!(geglu) };
+            let [g, u, d] = [Role::FfnGate, Role::FfnUp, Role::FfnDown].map(|r| sl.at(r, layer, quote!(consts::FFN * consts::HIDDEN)));
             quote! {
-                let n = consts::FFN * consts::HIDDEN;
-                thin_core::cpu::matvec(w.expect(thin_core::role::Role::FfnGate, #lay, n)?, &s.xn, &mut s.gate);
-                thin_core::cpu::matvec(w.expect(thin_core::role::Role::FfnUp, #lay, n)?, &s.xn, &mut s.up);
+                thin_core::cpu::matvec(#g, &s.xn, &mut s.gate);
+                thin_core::cpu::matvec(#u, &s.xn, &mut s.up);
                 thin_core::cpu::#act(&mut s.gate, &s.up);
-                thin_core::cpu::matvec(w.expect(thin_core::role::Role::FfnDown, #lay, n)?, &s.gate, &mut s.down);
+                thin_core::cpu::matvec(#d, &s.gate, &mut s.down);
             }
         }
         Op::Moe { renorm, .. } => {
+            let router = sl.at(Role::MoeRouter, layer, quote!(consts::NUM_EXPERTS * consts::HIDDEN));
+            let [g, u, d] = [Role::MoeGate, Role::MoeUp, Role::MoeDown].map(|r| sl.at(r, layer, quote!(consts::NUM_EXPERTS * consts::FFN * consts::HIDDEN)));
             quote! {
-                thin_core::cpu::matvec(w.expect(thin_core::role::Role::MoeRouter, #lay, consts::NUM_EXPERTS * consts::HIDDEN)?, &s.xn, &mut s.router);
+                thin_core::cpu::matvec(#router, &s.xn, &mut s.router);
                 let n = consts::FFN * consts::HIDDEN;
-                let gate_all = w.expect(thin_core::role::Role::MoeGate, #lay, consts::NUM_EXPERTS * n)?;
-                let up_all = w.expect(thin_core::role::Role::MoeUp, #lay, consts::NUM_EXPERTS * n)?;
-                let down_all = w.expect(thin_core::role::Role::MoeDown, #lay, consts::NUM_EXPERTS * n)?;
+                let gate_all = #g;
+                let up_all = #u;
+                let down_all = #d;
                 s.down.iter_mut().for_each(|v| *v = 0.0);
-                for (e, p) in thin_core::cpu::topk_router(&s.router, consts::TOP_K, #renorm) {
+                for &(e, p) in s.route.top(&s.router, consts::TOP_K, #renorm) {
                     thin_core::cpu::matvec(gate_all.slice(e * n, (e + 1) * n), &s.xn, &mut s.gate);
                     thin_core::cpu::matvec(up_all.slice(e * n, (e + 1) * n), &s.xn, &mut s.up);
                     thin_core::cpu::swiglu(&mut s.gate, &s.up);
@@ -109,8 +152,8 @@ fn emit_op(op: &Op, layer: Option<u64>, eps: f32) -> TokenStream {
             }
         }
         Op::LmHead { weight, .. } => {
-            let r = role_tokens(weight);
-            quote! { thin_core::cpu::matvec(w.expect(#r, None, consts::VOCAB * consts::HIDDEN)?, &s.xn, &mut s.logits); }
+            let head = sl.named(weight, None, quote!(consts::VOCAB * consts::HIDDEN));
+            quote! { thin_core::cpu::matvec(#head, &s.xn, &mut s.logits); }
         }
         Op::Softcap { buf, cap } => {
             let b = format_ident!("{}", buf);
@@ -133,29 +176,29 @@ fn row_dim(buf: &str) -> TokenStream {
 /// One op over all `n` prompt rows at once (prefill): weights are read once per layer, not once per
 /// token. Row `t` is at position `pos + t`; every row gets exactly the arithmetic of [`emit_op`], so
 /// prefill and token-by-token decode give the same bits.
-fn emit_op_batch(op: &Op, layer: Option<u64>, eps: f32) -> TokenStream {
-    let lay = match layer { Some(l) => { let l = l as u32; quote!(Some(#l)) } None => quote!(None) };
+fn emit_op_batch(op: &Op, layer: Option<u64>, eps: f32, sl: &mut Slots) -> TokenStream {
     match op {
         Op::Embed { out, hidden, scale } => {
             let out = format_ident!("{}", out);
             let hdn = lit_u(*hidden);
             let sc = *scale as f32;
+            let table = sl.at(Role::TokenEmbd, None, quote!(consts::VOCAB * consts::HIDDEN));
             quote! {
-                let table = w.expect(thin_core::role::Role::TokenEmbd, None, consts::VOCAB * consts::HIDDEN)?;
+                let table = #table;
                 for (t, &token) in tokens.iter().enumerate() {
                     thin_core::cpu::embedding(table, token as usize, #hdn, #sc, &mut b.#out[t * consts::HIDDEN..(t + 1) * consts::HIDDEN]);
                 }
             }
         }
         Op::RmsNorm { weight, input, out, dim } => {
-            let r = role_tokens(weight);
             let d = lit_u(*dim);
+            let g = sl.named(weight, layer, d.clone());
             let i = format_ident!("{}", input);
             let o = format_ident!("{}", out);
             let src = if input == out { quote!(b.tmp) } else { quote!(b.#i) };
             let copy = if input == out { quote!(b.tmp.copy_from_slice(&b.#i);) } else { quote!() };
             quote! {
-                let g = w.expect(#r, #lay, #d)?;
+                let g = #g;
                 #copy
                 for (xr, yr) in #src.chunks_exact(#d).zip(b.#o.chunks_exact_mut(#d)) {
                     thin_core::cpu::rms_norm_view(xr, g, #eps, yr);
@@ -163,18 +206,16 @@ fn emit_op_batch(op: &Op, layer: Option<u64>, eps: f32) -> TokenStream {
             }
         }
         Op::Matvec { weight, input, out, out_dim, in_dim } => {
-            let r = role_tokens(weight);
-            let n = lit_u(out_dim * in_dim);
+            let m = sl.named(weight, layer, lit_u(out_dim * in_dim));
             let k = lit_u(*in_dim);
             let i = format_ident!("{}", input);
             let o = format_ident!("{}", out);
-            quote! { thin_core::cpu::matmul(w.expect(#r, #lay, #n)?, &b.#i, #k, &mut b.#o); }
+            quote! { thin_core::cpu::matmul(#m, &b.#i, #k, &mut b.#o); }
         }
         Op::QkNorm { weight, buf, dim, .. } => {
-            let r = role_tokens(weight);
-            let d = lit_u(*dim);
+            let g = sl.named(weight, layer, lit_u(*dim));
             let bf = format_ident!("{}", buf);
-            quote! { thin_core::cpu::rms_norm_chunks_view(&mut b.#bf, w.expect(#r, #lay, #d)?, #eps); }
+            quote! { thin_core::cpu::rms_norm_chunks_view(&mut b.#bf, #g, #eps); }
         }
         Op::Rope { buf, table, .. } => {
             let bf = format_ident!("{}", buf);
@@ -215,17 +256,17 @@ fn emit_op_batch(op: &Op, layer: Option<u64>, eps: f32) -> TokenStream {
         }
         Op::Mlp { kind, .. } => {
             let act = match kind { MlpKind::Swiglu => quote!(swiglu), MlpKind::GegluTanh => quote!(geglu) };
+            let [g, u, d] = [Role::FfnGate, Role::FfnUp, Role::FfnDown].map(|r| sl.at(r, layer, quote!(consts::FFN * consts::HIDDEN)));
             quote! {
-                let n = consts::FFN * consts::HIDDEN;
-                thin_core::cpu::matmul(w.expect(thin_core::role::Role::FfnGate, #lay, n)?, &b.xn, consts::HIDDEN, &mut b.gate);
-                thin_core::cpu::matmul(w.expect(thin_core::role::Role::FfnUp, #lay, n)?, &b.xn, consts::HIDDEN, &mut b.up);
+                thin_core::cpu::matmul(#g, &b.xn, consts::HIDDEN, &mut b.gate);
+                thin_core::cpu::matmul(#u, &b.xn, consts::HIDDEN, &mut b.up);
                 thin_core::cpu::#act(&mut b.gate, &b.up);
-                thin_core::cpu::matmul(w.expect(thin_core::role::Role::FfnDown, #lay, n)?, &b.gate, consts::FFN, &mut b.down);
+                thin_core::cpu::matmul(#d, &b.gate, consts::FFN, &mut b.down);
             }
         }
         Op::Moe { .. } => {
             // Each row routes to its own experts: the single-token MoE, row by row.
-            let one = emit_op(op, layer, eps);
+            let one = emit_op(op, layer, eps, sl);
             quote! {
                 for t in 0..tokens.len() {
                     s.xn.copy_from_slice(&b.xn[t * consts::HIDDEN..(t + 1) * consts::HIDDEN]);
@@ -254,32 +295,35 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
     let local_theta = d.rope.local_theta.unwrap_or(d.rope.theta);
     let inv = |t: f64| inv_freq_tokens(d, t, quote!(consts::HEAD_DIM));
     let (inv_g, inv_l) = (inv(theta), inv(local_theta));
-    let prologue: Vec<_> = plan.prologue.iter().map(|o| emit_op(o, None, eps)).collect();
-    let epilogue: Vec<_> = plan.epilogue.iter().map(|o| emit_op(o, None, eps)).collect();
+    let mut sl = Slots::default();
+    let prologue: Vec<_> = plan.prologue.iter().map(|o| emit_op(o, None, eps, &mut sl)).collect();
+    let epilogue: Vec<_> = plan.epilogue.iter().map(|o| emit_op(o, None, eps, &mut sl)).collect();
     let mut layer_fns = Vec::new();
     let mut layer_calls = Vec::new();
     let mut batch_calls = Vec::new();
-    let prologue_b: Vec<_> = plan.prologue.iter().map(|o| emit_op_batch(o, None, eps)).collect();
+    let prologue_b: Vec<_> = plan.prologue.iter().map(|o| emit_op_batch(o, None, eps, &mut sl)).collect();
     for lp in &plan.layers {
         let f = format_ident!("layer_{}", lp.layer);
-        let body: Vec<_> = lp.ops.iter().map(|o| emit_op(o, Some(lp.layer), eps)).collect();
+        let body: Vec<_> = lp.ops.iter().map(|o| emit_op(o, Some(lp.layer), eps, &mut sl)).collect();
         let doc = format!(" Layer {}: {:?} attention, rope {}.", lp.layer, lp.attention, if lp.rope { "on" } else { "off" });
         layer_fns.push(quote! {
             #[doc = #doc]
             #[allow(unused_variables)]
-            fn #f(w: &W, s: &mut State, pos: usize) -> Result<(), EngineError> { #(#body)* Ok(()) }
+            fn #f(w: &W, ix: &[usize], s: &mut State, pos: usize) { #(#body)* }
         });
-        layer_calls.push(quote! { Self::#f(w, s, pos)?; });
+        layer_calls.push(quote! { Self::#f(w, ix, s, pos); });
         let fb = format_ident!("layer_{}_prefill", lp.layer);
-        let body_b: Vec<_> = lp.ops.iter().map(|o| emit_op_batch(o, Some(lp.layer), eps)).collect();
+        let body_b: Vec<_> = lp.ops.iter().map(|o| emit_op_batch(o, Some(lp.layer), eps, &mut sl)).collect();
         let doc_b = format!(" Layer {} over all prompt rows.", lp.layer);
         layer_fns.push(quote! {
             #[doc = #doc_b]
             #[allow(unused_variables)]
-            fn #fb(w: &W, s: &mut State, b: &mut Batch, tokens: &[u32], pos: usize) -> Result<(), EngineError> { #(#body_b)* Ok(()) }
+            fn #fb(w: &W, ix: &[usize], s: &mut State, b: &mut Batch, tokens: &[u32], pos: usize) { #(#body_b)* }
         });
-        batch_calls.push(quote! { Self::#fb(w, s, &mut b, tokens, pos)?; });
+        batch_calls.push(quote! { Self::#fb(w, ix, s, &mut b, tokens, pos); });
     }
+    let weights = sl.table();
+    let nw = sl.0.len();
     let modoc = format!(" Engine for `{name}`, generated from its architecture description.");
     quote! {
         #![doc = #modoc]
@@ -308,17 +352,21 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
         /// Must equal the archive's `ShapeDims::fingerprint()`.
         pub const SHAPE_FINGERPRINT: &str = #fp;
 
+        #weights
+
         /// Every buffer, allocated once.
         pub struct State {
             x: Vec<f32>, xn: Vec<f32>, tmp: Vec<f32>, q: Vec<f32>, k: Vec<f32>, v: Vec<f32>, att: Vec<f32>, o: Vec<f32>,
-            gate: Vec<f32>, up: Vec<f32>, down: Vec<f32>, router: Vec<f32>, logits: Vec<f32>,
+            gate: Vec<f32>, up: Vec<f32>, down: Vec<f32>, router: Vec<f32>, route: thin_core::cpu::Router, logits: Vec<f32>,
             k_cache: Vec<Vec<f32>>, v_cache: Vec<Vec<f32>>,
             cos_global: Vec<f32>, sin_global: Vec<f32>, cos_local: Vec<f32>, sin_local: Vec<f32>,
         }
 
-        pub struct Engine<W: Weights> { w: W, s: State, pos: usize }
+        /// The engine over weights `w`: `ix` holds the handle of each of [`WEIGHTS`], bound at load.
+        pub struct Engine<W: Weights> { w: W, ix: [usize; #nw], s: State, pos: usize }
 
-        /// Prefill's buffers: one row per prompt token of each per-token buffer, allocated per prompt.
+        /// Prefill's buffers: one row per prompt token of each per-token buffer, allocated per prompt
+        /// (decode steps allocate nothing).
         struct Batch {
             x: Vec<f32>, xn: Vec<f32>, tmp: Vec<f32>, q: Vec<f32>, k: Vec<f32>, v: Vec<f32>, att: Vec<f32>, o: Vec<f32>,
             gate: Vec<f32>, up: Vec<f32>, down: Vec<f32>,
@@ -336,7 +384,13 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
         }
 
         impl<W: Weights> Engine<W> {
-            pub fn new(w: W) -> Self {
+            /// Bind every tensor of [`WEIGHTS`] (a missing or misshapen one is an error here) and
+            /// allocate every buffer.
+            pub fn new(w: W) -> Result<Self, EngineError> {
+                let mut ix = [0usize; #nw];
+                for (h, &(role, layer, n)) in ix.iter_mut().zip(WEIGHTS.iter()) {
+                    *h = w.bind(role, layer, n)?;
+                }
                 let (cos_global, sin_global) = thin_core::cpu::rope_tables(&#inv_g, consts::MAX_SEQ);
                 let (cos_local, sin_local) = thin_core::cpu::rope_tables(&#inv_l, consts::MAX_SEQ);
                 let s = State {
@@ -344,13 +398,13 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
                     q: vec![0.0; consts::Q_DIM], k: vec![0.0; consts::KV_DIM], v: vec![0.0; consts::KV_DIM],
                     att: vec![0.0; consts::Q_DIM], o: vec![0.0; consts::HIDDEN],
                     gate: vec![0.0; consts::FFN], up: vec![0.0; consts::FFN], down: vec![0.0; consts::HIDDEN],
-                    router: vec![0.0; consts::NUM_EXPERTS], logits: vec![0.0; consts::VOCAB],
+                    router: vec![0.0; consts::NUM_EXPERTS], route: thin_core::cpu::Router::new(consts::NUM_EXPERTS), logits: vec![0.0; consts::VOCAB],
                     // One zeroed allocation per layer (not clones of one): pages are touched as positions fill.
                     k_cache: (0..consts::NUM_LAYERS).map(|_| vec![0.0; consts::MAX_SEQ * consts::KV_DIM]).collect(),
                     v_cache: (0..consts::NUM_LAYERS).map(|_| vec![0.0; consts::MAX_SEQ * consts::KV_DIM]).collect(),
                     cos_global, sin_global, cos_local, sin_local,
                 };
-                Engine { w, s, pos: 0 }
+                Ok(Engine { w, ix, s, pos: 0 })
             }
 
             #(#layer_fns)*
@@ -363,8 +417,7 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
                     return Err(EngineError::ContextFull { pos: self.pos, max_seq: consts::MAX_SEQ });
                 }
                 let pos = self.pos;
-                let w = &self.w;
-                let s = &mut self.s;
+                let (w, ix, s) = (&self.w, &self.ix[..], &mut self.s);
                 #(#prologue)*
                 #(#layer_calls)*
                 #(#epilogue)*
@@ -382,8 +435,7 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
                     return Err(EngineError::ContextFull { pos: consts::MAX_SEQ, max_seq: consts::MAX_SEQ });
                 }
                 let pos = self.pos;
-                let w = &self.w;
-                let s = &mut self.s;
+                let (w, ix, s) = (&self.w, &self.ix[..], &mut self.s);
                 let mut b = Batch::new(tokens.len());
                 #(#prologue_b)*
                 #(#batch_calls)*
@@ -396,14 +448,14 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
         }
 
         impl<W: Weights> thin_core::engine::Engine for Engine<W> {
-            fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+            fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
                 if tokens.is_empty() { return Err(EngineError::EmptyPrompt); }
                 self.forward_prompt(tokens)?;
-                Ok(self.s.logits.clone())
+                Ok(&self.s.logits)
             }
-            fn decode_step(&mut self, token: u32) -> Result<Vec<f32>, EngineError> {
+            fn decode_step(&mut self, token: u32) -> Result<&[f32], EngineError> {
                 self.forward(token)?;
-                Ok(self.s.logits.clone())
+                Ok(&self.s.logits)
             }
             fn reset(&mut self) { self.pos = 0; }
         }

@@ -152,7 +152,7 @@ fn emit_lib(feats: &[(String, Family, String)]) -> String {
         let m = module_name(f);
         lib += &format!(
             "    #[cfg(feature = \"{f}\")]\n    CompiledEngine {{\n        arch: {m}::ARCH,\n        family: Family::{family:?},\n        \
-             fingerprint: {m}::SHAPE_FINGERPRINT,\n        open: |a| Box::new({m}::Engine::new(a)),\n    }},\n"
+             fingerprint: {m}::SHAPE_FINGERPRINT,\n        open: |a| Ok(Box::new({m}::Engine::new(a)?)),\n    }},\n"
         );
     }
     lib += "];\n";
@@ -160,7 +160,7 @@ fn emit_lib(feats: &[(String, Family, String)]) -> String {
             /// archive's. The engine holds the archive (its weights are views into the mmap).\n\
             pub fn open_cpu(archive: Arc<Archive>) -> Result<Box<dyn Engine + Send>, OpenError> {\n    \
             let e = thin_core::engine::select_engine(archive.manifest(), KNOWN_ARCHS, CPU_ENGINES)?;\n    \
-            Ok((e.open)(archive))\n}\n";
+            Ok((e.open)(archive)?)\n}\n";
     lib += "\n/// The description whose shapes have this fingerprint, if codegen knows one.\n\
             pub fn arch_name(fingerprint: &str) -> Option<&'static str> {\n    \
             KNOWN_ARCHS.iter().find(|k| k.fingerprint == fingerprint).map(|k| k.name)\n}\n";

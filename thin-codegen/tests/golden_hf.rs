@@ -63,10 +63,10 @@ fn check<E: Engine>(name: &str, mut engine: E) {
     let r = reference(name);
     assert_eq!((r.prompt_ids.len(), r.decode_ids.len(), r.decode_logits.len()), (16, 16, 16), "{name}: fixture shape");
     let logits = engine.prefill(&r.prompt_ids).expect("prefill");
-    assert_close(&format!("{name} prefill"), &logits, &r.prefill_last);
+    assert_close(&format!("{name} prefill"), logits, &r.prefill_last);
     for (step, (&id, want)) in r.decode_ids.iter().zip(&r.decode_logits).enumerate() {
         let logits = engine.decode_step(id).expect("decode");
-        assert_close(&format!("{name} decode step {step}"), &logits, want);
+        assert_close(&format!("{name} decode step {step}"), logits, want);
     }
 }
 
@@ -78,7 +78,7 @@ macro_rules! golden {
             let tmp = tempfile::tempdir().expect("tempdir");
             let a = archive($fixture, &tmp);
             assert_eq!(a.manifest().shape_fingerprint, m::SHAPE_FINGERPRINT, "fixture and description disagree on shapes");
-            check($fixture, m::Engine::new(a));
+            check($fixture, m::Engine::new(a).expect("bind the weights"));
         }
     };
 }

@@ -38,12 +38,12 @@ fn sizes(layers: u32, h: usize, q: usize, kv: usize, hd: usize, ffn: usize, voca
 
 fn check<E: Engine>(mut e: E) {
     let prompt = [1u32, 7, 42, 255, 3];
-    let a = e.prefill(&prompt).unwrap();
+    let a = e.prefill(&prompt).unwrap().to_vec();
     assert!(a.iter().all(|v| v.is_finite()));
     e.reset();
     let mut b = Vec::new();
     for &t in &prompt {
-        b = e.decode_step(t).unwrap();
+        b = e.decode_step(t).unwrap().to_vec();
     }
     assert_eq!(a, b);
     assert!(e.decode_step(256).is_err(), "token out of range is an error");
@@ -52,20 +52,20 @@ fn check<E: Engine>(mut e: E) {
 #[test]
 fn llama_tiny_runs() {
     use thin_generated::llama_tiny as m;
-    check(m::Engine::new(weights(&sizes(2, 64, 64, 32, 16, 128, 256, &[]))));
+    check(m::Engine::new(weights(&sizes(2, 64, 64, 32, 16, 128, 256, &[]))).expect("bind the weights"));
 }
 
 #[test]
 fn smollm3_tiny_runs() {
     use thin_generated::smollm3_tiny as m;
-    check(m::Engine::new(weights(&sizes(4, 64, 64, 32, 16, 128, 256, &[]))));
+    check(m::Engine::new(weights(&sizes(4, 64, 64, 32, 16, 128, 256, &[]))).expect("bind the weights"));
 }
 
 #[test]
 fn gemma3_tiny_runs() {
     use thin_generated::gemma3_tiny as m;
     let extra = [(Role::AttnQNorm, 32), (Role::AttnKNorm, 32), (Role::AttnPostNorm, 64), (Role::FfnPostNorm, 64)];
-    check(m::Engine::new(weights(&sizes(6, 64, 128, 32, 32, 128, 256, &extra))));
+    check(m::Engine::new(weights(&sizes(6, 64, 128, 32, 32, 128, 256, &extra))).expect("bind the weights"));
 }
 
 #[test]
@@ -74,5 +74,27 @@ fn olmoe_tiny_runs() {
     let extra = [(Role::AttnQNorm, 64), (Role::AttnKNorm, 64), (Role::MoeRouter, 8 * 64), (Role::MoeGate, 8 * 32 * 64), (Role::MoeUp, 8 * 32 * 64), (Role::MoeDown, 8 * 64 * 32)];
     let mut s = sizes(2, 64, 64, 64, 16, 32, 256, &extra);
     s.push((Role::LmHead, None, 256 * 64));
-    check(m::Engine::new(weights(&s)));
+    check(m::Engine::new(weights(&s)).expect("bind the weights"));
+}
+
+/// The engine binds every tensor it reads when it is built: a missing or misshapen one is an
+/// error naming it then, never a failure in the middle of a token.
+#[test]
+fn weights_are_bound_and_checked_at_load() {
+    use thin_core::engine::EngineError;
+    use thin_generated::llama_tiny as m;
+    let mut w = weights(&sizes(2, 64, 64, 32, 16, 128, 256, &[]));
+    w.tensors.remove(&(Role::FfnDown, Some(1)));
+    match m::Engine::new(w) {
+        Err(EngineError::MissingWeight { role: Role::FfnDown, layer: Some(1) }) => {}
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("an engine without ffn_down of layer 1"),
+    }
+    let mut w = weights(&sizes(2, 64, 64, 32, 16, 128, 256, &[]));
+    w.tensors.insert((Role::AttnQ, Some(0)), vec![0.0; 10]);
+    match m::Engine::new(w) {
+        Err(EngineError::WeightSize { role: Role::AttnQ, layer: Some(0), expected: 4096, got: 10 }) => {}
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("an engine with a 10-element attn_q"),
+    }
 }

@@ -442,18 +442,39 @@ pub fn geglu(gate: &mut [f32], up: &[f32]) {
 }
 
 /// Softmax over router logits, then the `k` largest as (expert, weight), optionally renormalised.
-pub fn topk_router(logits: &[f32], k: usize, renorm: bool) -> Vec<(usize, f32)> {
-    let mut p = logits.to_vec();
-    softmax(&mut p);
-    let mut idx: Vec<usize> = (0..p.len()).collect();
-    // Stable sort: ties go to the lower expert index, as torch.topk does in practice.
-    idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
-    let mut top: Vec<(usize, f32)> = idx.into_iter().take(k).map(|i| (i, p[i])).collect();
-    if renorm {
-        let s: f32 = top.iter().map(|t| t.1).sum();
-        top.iter_mut().for_each(|t| t.1 /= s);
+/// MoE routing with its buffers kept between tokens (no allocation per token).
+#[derive(Debug, Clone, Default)]
+pub struct Router {
+    p: Vec<f32>,
+    order: Vec<usize>,
+    top: Vec<(usize, f32)>,
+}
+
+impl Router {
+    pub fn new(experts: usize) -> Router {
+        Router { p: Vec::with_capacity(experts), order: Vec::with_capacity(experts), top: Vec::with_capacity(experts) }
     }
-    top
+
+    /// The `k` experts of highest softmax(router logits), best first, with their probabilities
+    /// (renormalised to sum to 1 if `renorm`).
+    pub fn top(&mut self, logits: &[f32], k: usize, renorm: bool) -> &[(usize, f32)] {
+        self.p.clear();
+        self.p.extend_from_slice(logits);
+        softmax(&mut self.p);
+        self.order.clear();
+        self.order.extend(0..self.p.len());
+        let p = &self.p;
+        // Ties go to the lower expert index, as torch.topk does in practice (an unstable sort with
+        // the index as tie-break: the same order as a stable one, without its buffer).
+        self.order.sort_unstable_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+        self.top.clear();
+        self.top.extend(self.order.iter().take(k).map(|&i| (i, p[i])));
+        if renorm {
+            let s: f32 = self.top.iter().map(|t| t.1).sum();
+            self.top.iter_mut().for_each(|t| t.1 /= s);
+        }
+        &self.top
+    }
 }
 
 /// `x += y`.
@@ -649,11 +670,12 @@ mod tests {
     #[test]
     fn router_topk() {
         let l = [0.0, (3.0f32).ln(), 0.0, 0.0]; // probs 1/6, 1/2, 1/6, 1/6
-        let t = topk_router(&l, 2, false);
+        let mut r = Router::new(l.len());
+        let t = r.top(&l, 2, false).to_vec();
         assert_eq!(t[0].0, 1);
         assert!((t[0].1 - 0.5).abs() < 1e-6);
         assert!((t[1].1 - 1.0 / 6.0).abs() < 1e-6);
-        let t = topk_router(&l, 2, true);
+        let t = r.top(&l, 2, true).to_vec();
         assert!((t[0].1 - 0.75).abs() < 1e-6);
         assert!((t[1].1 - 0.25).abs() < 1e-6);
     }

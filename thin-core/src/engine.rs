@@ -21,14 +21,28 @@ pub enum EngineError {
     Fingerprint { engine: String, archive: String },
 }
 
-/// A monomorphized decode loop for one architecture.
+/// A monomorphized decode loop for one architecture. The logits it returns are its own buffer,
+/// valid until the next call: no step allocates.
 pub trait Engine {
     /// Run every prompt token through the model; returns the logits after the last one.
-    fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError>;
+    fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError>;
     /// Run one token at the next position; returns its logits.
-    fn decode_step(&mut self, token: u32) -> Result<Vec<f32>, EngineError>;
+    fn decode_step(&mut self, token: u32) -> Result<&[f32], EngineError>;
     /// Forget the KV cache and start again at position 0.
     fn reset(&mut self);
+}
+
+/// A boxed engine is an engine (the CLI picks one at run time).
+impl<E: Engine + ?Sized> Engine for Box<E> {
+    fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
+        (**self).prefill(tokens)
+    }
+    fn decode_step(&mut self, token: u32) -> Result<&[f32], EngineError> {
+        (**self).decode_step(token)
+    }
+    fn reset(&mut self) {
+        (**self).reset()
+    }
 }
 
 /// A borrowed tensor in the element type it is stored in.
@@ -76,49 +90,68 @@ impl WeightView<'_> {
     }
 }
 
-/// Tensor lookup by role and layer: implemented by the archive reader and by in-memory test weights.
+/// Tensors by role and layer: implemented by the archive reader and by in-memory test weights.
+/// An engine binds each tensor it reads once, at load ([`Weights::bind`]), and reads it by its
+/// handle afterwards ([`Weights::at`]): no lookup per op.
 pub trait Weights {
-    fn get(&self, role: Role, layer: Option<u32>) -> Option<WeightView<'_>>;
+    /// A handle to tensor (role, layer), or `None` if there is none.
+    fn find(&self, role: Role, layer: Option<u32>) -> Option<usize>;
 
-    /// [`Weights::get`] with the element count checked.
-    fn expect(&self, role: Role, layer: Option<u32>, expected: usize) -> Result<WeightView<'_>, EngineError> {
-        let w = self.get(role, layer).ok_or(EngineError::MissingWeight { role, layer })?;
-        if w.len() != expected {
-            return Err(EngineError::WeightSize { role, layer, expected, got: w.len() });
+    /// The tensor behind a handle from [`Weights::find`] (empty if the handle is not one).
+    fn at(&self, handle: usize) -> WeightView<'_>;
+
+    fn get(&self, role: Role, layer: Option<u32>) -> Option<WeightView<'_>> {
+        self.find(role, layer).map(|h| self.at(h))
+    }
+
+    /// The handle of (role, layer), its element count checked once here.
+    fn bind(&self, role: Role, layer: Option<u32>, expected: usize) -> Result<usize, EngineError> {
+        let h = self.find(role, layer).ok_or(EngineError::MissingWeight { role, layer })?;
+        let got = self.at(h).len();
+        if got != expected {
+            return Err(EngineError::WeightSize { role, layer, expected, got });
         }
-        Ok(w)
+        Ok(h)
     }
 }
 
-/// Weights held in memory as f32, keyed by (role, layer): for tests and tiny random models.
+/// Weights held in memory as f32, keyed by (role, layer): for tests and tiny random models (a
+/// handle is the position in key order; [`Weights::at`] walks to it).
 #[derive(Debug, Default, Clone)]
 pub struct MemWeights {
     pub tensors: std::collections::BTreeMap<(Role, Option<u32>), Vec<f32>>,
 }
 
 impl Weights for MemWeights {
-    fn get(&self, role: Role, layer: Option<u32>) -> Option<WeightView<'_>> {
-        self.tensors.get(&(role, layer)).map(|v| WeightView::F32(v.as_slice()))
+    fn find(&self, role: Role, layer: Option<u32>) -> Option<usize> {
+        self.tensors.keys().position(|k| *k == (role, layer))
+    }
+    fn at(&self, handle: usize) -> WeightView<'_> {
+        WeightView::F32(self.tensors.values().nth(handle).map_or(&[], |v| v.as_slice()))
     }
 }
 
-/// An opened archive serves its tensors in place: the views borrow the mmap, no copy.
+/// An opened archive serves its tensors in place: the views borrow the mmap, no copy. A handle is
+/// the tensor's index in the manifest.
 impl Weights for crate::format::Archive {
-    fn get(&self, role: Role, layer: Option<u32>) -> Option<WeightView<'_>> {
-        let entry = self.manifest().tensor(role, layer)?;
-        match entry.dtype {
-            crate::dtype::DType::F32 => self.tensor_f32(role, layer).ok().map(WeightView::F32),
-            crate::dtype::DType::Bf16 => self.tensor_bf16(role, layer).ok().map(WeightView::Bf16),
-            crate::dtype::DType::F16 | crate::dtype::DType::F8E4m3 | crate::dtype::DType::Mxfp4 => None,
-        }
+    fn find(&self, role: Role, layer: Option<u32>) -> Option<usize> {
+        self.manifest().tensors.iter().position(|t| t.role == role && t.layer == layer)
+    }
+    fn at(&self, handle: usize) -> WeightView<'_> {
+        // A tensor whose pages or type the engine cannot read is empty here, so `bind` refuses it
+        // by its size; a bound handle reads the same bytes every time (the mmap is immutable).
+        self.tensor_view(handle).unwrap_or(WeightView::F32(&[]))
     }
 }
 
 /// Weights shared by several owners: the CLI keeps the archive (tokenizer, manifest) while the
 /// boxed engine holds it too.
 impl<T: Weights + ?Sized> Weights for std::sync::Arc<T> {
-    fn get(&self, role: Role, layer: Option<u32>) -> Option<WeightView<'_>> {
-        (**self).get(role, layer)
+    fn find(&self, role: Role, layer: Option<u32>) -> Option<usize> {
+        (**self).find(role, layer)
+    }
+    fn at(&self, handle: usize) -> WeightView<'_> {
+        (**self).at(handle)
     }
 }
 
@@ -140,7 +173,8 @@ pub struct CompiledEngine<W> {
     pub arch: &'static str,
     pub family: crate::arch::Family,
     pub fingerprint: &'static str,
-    pub open: fn(W) -> Box<dyn Engine + Send>,
+    /// Bind the engine's weights (a missing or misshapen tensor is an error here, not mid-token).
+    pub open: fn(W) -> Result<Box<dyn Engine + Send>, EngineError>,
 }
 
 /// Why no compiled-in engine fits an archive. Every variant names what the archive is and what
@@ -170,6 +204,8 @@ pub enum OpenError {
     UnknownArch { family: &'static str, archive_fingerprint: String, compiled: String },
     #[error("the manifest records shape fingerprint {recorded}, but its own dims give {computed}: the archive is inconsistent")]
     InconsistentFingerprint { recorded: String, computed: String },
+    #[error("binding the archive's weights: {0}")]
+    Weights(#[from] EngineError),
 }
 
 fn list_engines<W>(engines: &[&CompiledEngine<W>]) -> String {
@@ -226,7 +262,7 @@ mod tests {
     use crate::format::testkit::{tiny_arch, tiny_manifest};
 
     fn engine(arch: &'static str, family: Family, fingerprint: &'static str) -> CompiledEngine<()> {
-        fn open(_: ()) -> Box<dyn Engine + Send> {
+        fn open(_: ()) -> Result<Box<dyn Engine + Send>, EngineError> {
             unreachable!("selection never opens")
         }
         CompiledEngine { arch, family, fingerprint, open }

@@ -636,6 +636,27 @@ impl Archive {
         Ok((t, self.tensor_bytes(t)?))
     }
 
+    /// The manifest's tensor `index` in its stored type, zero-copy (f32 and bf16; other types
+    /// have no CPU view yet).
+    pub fn tensor_view(&self, index: usize) -> Result<crate::engine::WeightView<'_>, FormatError> {
+        let t = self.manifest.tensors.get(index).ok_or(FormatError::TensorNotFound { role: format!("tensor #{index}") })?;
+        let b = self.tensor_bytes(t)?;
+        let unaligned = || FormatError::Unaligned { tensor: t.name.clone() };
+        match t.dtype {
+            DType::F32 => {
+                // SAFETY: every bit pattern is a valid f32; align_to only yields the aligned middle part.
+                let (pre, mid, post) = unsafe { b.align_to::<f32>() };
+                if pre.is_empty() && post.is_empty() { Ok(crate::engine::WeightView::F32(mid)) } else { Err(unaligned()) }
+            }
+            DType::Bf16 => {
+                // SAFETY: bf16 is a repr(transparent) u16; every bit pattern is valid.
+                let (pre, mid, post) = unsafe { b.align_to::<half::bf16>() };
+                if pre.is_empty() && post.is_empty() { Ok(crate::engine::WeightView::Bf16(mid)) } else { Err(unaligned()) }
+            }
+            other => Err(FormatError::WrongDType { tensor: t.name.clone(), expected: DType::Bf16, found: other }),
+        }
+    }
+
     /// F32 tensor by role and layer, zero-copy.
     pub fn tensor_f32(&self, role: Role, layer: Option<u32>) -> Result<&[f32], FormatError> {
         let (t, b) = self.typed_entry(role, layer, DType::F32)?;

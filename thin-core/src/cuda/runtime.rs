@@ -262,6 +262,8 @@ pub struct CudaEngine {
     pos: usize,
     /// The token id the device already holds in `Tok` (the last argmax), if known.
     device_tok: Option<u32>,
+    /// The last logits read back (the engine's own buffer: no allocation per step).
+    logits: Vec<f32>,
     pub stats: LoadStats,
 }
 
@@ -439,6 +441,7 @@ impl CudaEngine {
             layout,
             pos: 0,
             device_tok: None,
+            logits: vec![0.0; arch.vocab],
             stats,
         };
         e.capture()?;
@@ -557,7 +560,7 @@ impl CudaEngine {
 
     /// Batched prefill: chunks of up to `prefill_rows` tokens, each one pass of GEMMs; then the
     /// decode step's final norm, LM head and argmax on the last row.
-    fn prefill_batched(&mut self, handle: blassys::cublasHandle_t, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+    fn prefill_batched(&mut self, handle: blassys::cublasHandle_t, tokens: &[u32]) -> Result<&[f32], EngineError> {
         if self.pos + tokens.len() > self.layout.ctx {
             return Err(EngineError::ContextFull { pos: self.pos + tokens.len(), max_seq: self.layout.ctx });
         }
@@ -619,12 +622,12 @@ impl CudaEngine {
         Ok(())
     }
 
-    fn read_logits(&self) -> Result<Vec<f32>, EngineError> {
-        let mut out = vec![0f32; self.spec.vocab];
+    fn read_logits(&mut self) -> Result<&[f32], EngineError> {
         let cs = self.stream.cu_stream();
-        drv("reading logits", unsafe { cu::memcpy_dtoh_async(&mut out, self.buf(Buf::Logits), cs) }).map_err(Self::engine_err)?;
+        let src = self.buf(Buf::Logits);
+        drv("reading logits", unsafe { cu::memcpy_dtoh_async(&mut self.logits, src, cs) }).map_err(Self::engine_err)?;
         drv("synchronizing", unsafe { cu::stream::synchronize(cs) }).map_err(Self::engine_err)?;
-        Ok(out)
+        Ok(&self.logits)
     }
 
     /// Greedy decode step: only the argmax id crosses to the host.
@@ -835,7 +838,7 @@ impl CudaEngine {
 }
 
 impl crate::engine::Engine for CudaEngine {
-    fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+    fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
         if tokens.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
@@ -852,7 +855,7 @@ impl crate::engine::Engine for CudaEngine {
         }
     }
 
-    fn decode_step(&mut self, token: u32) -> Result<Vec<f32>, EngineError> {
+    fn decode_step(&mut self, token: u32) -> Result<&[f32], EngineError> {
         self.step(token)?;
         self.read_logits()
     }

@@ -1,0 +1,465 @@
+//! ThinTensor as a library: [`open`] a `.thin` archive with the engine compiled into this build for
+//! its architecture, on the CPU or the GPU, and [`Session::generate`] from it, each token handed to
+//! a callback as soon as it is chosen. The `thin` commands (`run`, `bench`, `logits`) are layers
+//! over this; a server or an interactive chat takes a [`Session`] the same way.
+//!
+//! ```no_run
+//! let mut s = thin::open("model.thin".as_ref(), &thin::Options::default())?;
+//! let prompt = s.prompt("What is the capital of France?", true)?;
+//! let stats = s.generate(&prompt, &thin::GenerateOptions::default(), |id| {
+//!     print!("{id} ");
+//!     Ok(thin::Flow::Continue)
+//! })?;
+//! println!("\n{:.1} tok/s", stats.gen_tok_s());
+//! # Ok::<(), thin::Error>(())
+//! ```
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use thin_core::engine::{Engine, EngineError, OpenError};
+use thin_core::format::{Archive, FormatError};
+use thin_core::sampler::{argmax, Sampler, SamplerConfig};
+use thin_core::tokenizer::{ChatMessage, TextTokenizer, TokenizerError};
+
+pub use thin_core::cuda::CudaOptions;
+
+/// What a token callback may fail with (its own I/O, a closed connection).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("opening {path}: {source}")]
+    Archive { path: String, source: FormatError },
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    NoEngine(#[from] OpenError),
+    #[error(
+        "this thin carries no CUDA engine for this archive ({archive}); rebuild with `cargo build --release --features cuda,<arch>` (arch features: {features})"
+    )]
+    NoCudaEngine { archive: String, features: String },
+    #[error("this thin was built without the CUDA backend; rebuild with `cargo build --release --features cuda,<arch>`")]
+    NoCudaBuild,
+    #[error("the CUDA backend: {0}")]
+    Cuda(String),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("the prompt has no tokens")]
+    EmptyPrompt,
+    #[error("{what} at position {pos}: {source}")]
+    Step { what: &'static str, pos: usize, source: EngineError },
+    #[error("{0}")]
+    Callback(BoxError),
+    #[error("{0}")]
+    Unsupported(&'static str),
+}
+
+/// Where the engine runs. `Auto` takes CUDA in a `--features cuda` build when a GPU and driver
+/// answer, else says why once and uses the CPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Backend {
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+/// How to open a session.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub backend: Backend,
+    /// KV-cache positions (the GPU allocates them up front); `None`: 4096 or the model's maximum
+    /// if smaller.
+    pub ctx: Option<usize>,
+    /// Progress bars while loading.
+    pub progress: bool,
+    /// GPU kernels with in-step timestamps ([`LoadedEngine::timeline`]; benchmarks only).
+    pub timeline: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { backend: Backend::Auto, ctx: None, progress: false, timeline: false }
+    }
+}
+
+/// An engine as a session holds it: the decode loop, plus what benchmarks ask of a backend.
+pub trait LoadedEngine: Engine + Send {
+    /// One greedy decode step; the GPU's reads back only the chosen id.
+    fn greedy(&mut self, token: u32) -> Result<u32, EngineError> {
+        Ok(argmax(self.decode_step(token)?))
+    }
+    /// Device memory the engine's own buffers hold (weights, activations, KV cache).
+    fn device_bytes(&self) -> Option<usize> {
+        None
+    }
+    /// Device memory the engine has added since its context existed, as the driver counts it.
+    fn measured_device_bytes(&self) -> Option<usize> {
+        None
+    }
+    fn load_stats(&self) -> serde_json::Value {
+        serde_json::Value::Null
+    }
+    /// Per-kernel device times of the decode step.
+    fn profile(&mut self, _reps: usize) -> Result<serde_json::Value, Error> {
+        Err(Error::Unsupported("this backend has no kernel profile"))
+    }
+    /// Each kernel's cost inside the replayed decode step.
+    fn timeline(&mut self, _steps: usize) -> Result<serde_json::Value, Error> {
+        Err(Error::Unsupported("this backend has no step timeline"))
+    }
+}
+
+impl LoadedEngine for Box<dyn Engine + Send> {}
+
+#[cfg(feature = "cuda")]
+impl LoadedEngine for thin_core::cuda::runtime::CudaEngine {
+    fn greedy(&mut self, token: u32) -> Result<u32, EngineError> {
+        self.next_greedy(token)
+    }
+    fn device_bytes(&self) -> Option<usize> {
+        Some(thin_core::cuda::runtime::CudaEngine::device_bytes(self))
+    }
+    fn measured_device_bytes(&self) -> Option<usize> {
+        thin_core::cuda::runtime::CudaEngine::measured_device_bytes(self).ok()
+    }
+    fn load_stats(&self) -> serde_json::Value {
+        serde_json::to_value(&self.stats).unwrap_or_default()
+    }
+    fn profile(&mut self, reps: usize) -> Result<serde_json::Value, Error> {
+        let rows = thin_core::cuda::runtime::CudaEngine::profile(self, reps).map_err(|e| Error::Cuda(e.to_string()))?;
+        self.reset();
+        serde_json::to_value(rows).map_err(|e| Error::Cuda(e.to_string()))
+    }
+    fn timeline(&mut self, steps: usize) -> Result<serde_json::Value, Error> {
+        let (rows, span_us) = thin_core::cuda::runtime::CudaEngine::timeline(self, steps).map_err(|e| Error::Cuda(e.to_string()))?;
+        Ok(serde_json::json!({"steps": steps, "first_to_last_start_us": span_us, "kernels": rows}))
+    }
+}
+
+/// The CUDA engine compiled into this binary for the archive's arch.
+#[cfg(feature = "cuda")]
+fn open_cuda(archive: &Archive, opts: &CudaOptions) -> Result<Box<dyn LoadedEngine>, Error> {
+    let m = archive.manifest();
+    let arch = thin_generated::cuda_arch(&m.shape_fingerprint).ok_or_else(|| Error::NoCudaEngine {
+        archive: format!("{:?}, {} layers, hidden {}, shape fingerprint {}", m.arch.family, m.arch.num_layers, m.arch.hidden_size, m.shape_fingerprint),
+        features: thin_generated::AVAILABLE_FEATURES.join(", "),
+    })?;
+    let arch = arch.map_err(|e| Error::Cuda(e.to_string()))?;
+    let e = thin_core::cuda::runtime::CudaEngine::new(archive, &arch, opts).map_err(|e| Error::Cuda(e.to_string()))?;
+    Ok(Box::new(e))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(_archive: &Archive, _opts: &CudaOptions) -> Result<Box<dyn LoadedEngine>, Error> {
+    Err(Error::NoCudaBuild)
+}
+
+/// An archive opened with its engine and tokenizer.
+pub struct Session {
+    archive: Arc<Archive>,
+    /// Shared, so a token callback can decode while the session generates.
+    tokenizer: Arc<TextTokenizer>,
+    engine: Box<dyn LoadedEngine>,
+    backend: &'static str,
+    arch: &'static str,
+}
+
+/// Open `path` with the engine compiled in for its architecture, on `opts.backend`.
+pub fn open(path: &Path, opts: &Options) -> Result<Session, Error> {
+    let archive = Archive::open(path).map_err(|source| Error::Archive { path: path.display().to_string(), source })?;
+    let tokenizer = Arc::new(TextTokenizer::from_info(&archive.manifest().tokenizer)?);
+    let archive = Arc::new(archive);
+    let m = archive.manifest();
+    let arch = thin_generated::arch_name(&m.shape_fingerprint).unwrap_or("?");
+    let ctx = opts.ctx.unwrap_or(4096).min(m.arch.max_position_embeddings.max(1) as usize);
+    let cuda = CudaOptions { ctx, progress: opts.progress, timeline: opts.timeline };
+    let cpu = |a: Arc<Archive>| -> Result<Box<dyn LoadedEngine>, Error> { Ok(Box::new(thin_generated::open_cpu(a)?)) };
+    let (engine, backend) = match opts.backend {
+        Backend::Cpu => (cpu(archive.clone())?, "cpu"),
+        Backend::Cuda => (open_cuda(&archive, &cuda)?, "cuda"),
+        Backend::Auto if cfg!(feature = "cuda") => match open_cuda(&archive, &cuda) {
+            Ok(e) => (e, "cuda"),
+            Err(e) => {
+                eprintln!("CUDA backend unavailable ({e}); using the CPU backend");
+                (cpu(archive.clone())?, "cpu")
+            }
+        },
+        Backend::Auto => (cpu(archive.clone())?, "cpu"),
+    };
+    Ok(Session { archive, tokenizer, engine, backend, arch })
+}
+
+/// Whether generation goes on after a token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    /// Stop here (a stop string matched, the client went away): [`Stop::Cancelled`].
+    Stop,
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stop {
+    Eos,
+    MaxTokens,
+    /// The engine's context (KV cache) is full.
+    MaxSeq,
+    /// The token callback asked to stop.
+    Cancelled,
+}
+
+impl Stop {
+    pub fn name(self) -> &'static str {
+        match self {
+            Stop::Eos => "eos",
+            Stop::MaxTokens => "max_tokens",
+            Stop::MaxSeq => "max_seq",
+            Stop::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// Prompt and generation speed, apart.
+#[derive(Clone, Copy, Debug)]
+pub struct Stats {
+    pub prompt_tokens: usize,
+    /// Sampled tokens, EOS included.
+    pub generated_tokens: usize,
+    /// `decode_step` calls: the first generated token comes from the prefill logits.
+    pub decode_steps: usize,
+    pub prompt_s: f64,
+    pub gen_s: f64,
+    pub stop: Stop,
+}
+
+fn per_s(n: usize, s: f64) -> f64 {
+    if n > 0 && s > 0.0 {
+        n as f64 / s
+    } else {
+        0.0
+    }
+}
+
+impl Stats {
+    pub fn prompt_tok_s(&self) -> f64 {
+        per_s(self.prompt_tokens, self.prompt_s)
+    }
+
+    /// Decode steps per second.
+    pub fn gen_tok_s(&self) -> f64 {
+        per_s(self.decode_steps, self.gen_s)
+    }
+}
+
+/// How much to generate and how to choose each token.
+#[derive(Clone, Copy, Debug)]
+pub struct GenerateOptions {
+    /// Most tokens to generate (EOS and a full context stop earlier).
+    pub max_tokens: usize,
+    pub sampling: SamplerConfig,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions { max_tokens: 256, sampling: SamplerConfig::default() }
+    }
+}
+
+/// Prefill `prompt`, then sample up to `max_tokens` tokens, calling `on_token` with each as soon
+/// as it is chosen. Stops after EOS (which is passed to `on_token`), at `max_tokens`, when the
+/// engine's context is full, or when `on_token` says [`Flow::Stop`].
+pub fn generate(
+    engine: &mut dyn Engine,
+    prompt: &[u32],
+    sampler: &mut Sampler,
+    max_tokens: usize,
+    is_eos: &dyn Fn(u32) -> bool,
+    mut on_token: impl FnMut(u32) -> Result<Flow, BoxError>,
+) -> Result<Stats, Error> {
+    if prompt.is_empty() {
+        return Err(Error::EmptyPrompt);
+    }
+    let start = Instant::now();
+    let mut id = match engine.prefill(prompt) {
+        Ok(logits) => sampler.sample(logits),
+        Err(source) => return Err(Error::Step { what: "prefill of the prompt", pos: 0, source }),
+    };
+    let prompt_s = start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    let (mut generated, mut steps) = (0usize, 0usize);
+    let stop = loop {
+        if generated >= max_tokens {
+            break Stop::MaxTokens;
+        }
+        generated += 1;
+        if on_token(id).map_err(Error::Callback)? == Flow::Stop {
+            break Stop::Cancelled;
+        }
+        if is_eos(id) {
+            break Stop::Eos;
+        }
+        if generated >= max_tokens {
+            break Stop::MaxTokens;
+        }
+        id = match engine.decode_step(id) {
+            Ok(logits) => sampler.sample(logits),
+            Err(EngineError::ContextFull { .. }) => break Stop::MaxSeq,
+            Err(source) => return Err(Error::Step { what: "decode step", pos: prompt.len() + steps, source }),
+        };
+        steps += 1;
+    };
+    let gen_s = start.elapsed().as_secs_f64();
+    Ok(Stats { prompt_tokens: prompt.len(), generated_tokens: generated, decode_steps: steps, prompt_s, gen_s, stop })
+}
+
+impl Session {
+    pub fn archive(&self) -> &Archive {
+        &self.archive
+    }
+
+    pub fn tokenizer(&self) -> &Arc<TextTokenizer> {
+        &self.tokenizer
+    }
+
+    /// `cpu` or `cuda`.
+    pub fn backend(&self) -> &'static str {
+        self.backend
+    }
+
+    /// The description whose engine runs the archive (`smollm2-135m`).
+    pub fn arch(&self) -> &'static str {
+        self.arch
+    }
+
+    /// The engine itself (benchmarks, teacher-forced logits).
+    pub fn engine(&mut self) -> &mut dyn LoadedEngine {
+        self.engine.as_mut()
+    }
+
+    /// `text` as prompt ids; with `chat`, inside the archive's chat template as one user message
+    /// with the generation prompt on.
+    pub fn prompt(&self, text: &str, chat: bool) -> Result<Vec<u32>, Error> {
+        let ids = if chat {
+            self.tokenizer.encode(&self.tokenizer.render_chat(&[ChatMessage { role: "user".into(), content: text.into() }])?)?
+        } else {
+            self.tokenizer.encode(text)?
+        };
+        if ids.is_empty() {
+            return Err(Error::EmptyPrompt);
+        }
+        Ok(ids)
+    }
+
+    /// From an empty context: prefill `prompt`, then generate (see [`generate`]), EOS as the
+    /// archive's tokenizer defines it.
+    pub fn generate(&mut self, prompt: &[u32], opts: &GenerateOptions, on_token: impl FnMut(u32) -> Result<Flow, BoxError>) -> Result<Stats, Error> {
+        self.engine.reset();
+        let mut sampler = Sampler::new(opts.sampling);
+        let tok = &self.tokenizer;
+        generate(self.engine.as_mut(), prompt, &mut sampler, opts.max_tokens, &|id| tok.is_eos(id), on_token)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Logits that always favour `next[pos]`; context of `max_seq` positions.
+    struct Scripted {
+        next: Vec<u32>,
+        pos: usize,
+        max_seq: usize,
+        logits: Vec<f32>,
+    }
+
+    impl Scripted {
+        fn new(next: &[u32], max_seq: usize) -> Scripted {
+            Scripted { next: next.to_vec(), pos: 0, max_seq, logits: vec![0.0; 8] }
+        }
+        fn logits(&mut self) -> &[f32] {
+            self.logits.iter_mut().for_each(|x| *x = 0.0);
+            self.logits[self.next[self.pos - 1] as usize] = 10.0;
+            &self.logits
+        }
+    }
+
+    impl Engine for Scripted {
+        fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
+            for _ in tokens {
+                self.decode_step(0)?;
+            }
+            Ok(self.logits())
+        }
+        fn decode_step(&mut self, _token: u32) -> Result<&[f32], EngineError> {
+            if self.pos >= self.max_seq {
+                return Err(EngineError::ContextFull { pos: self.pos, max_seq: self.max_seq });
+            }
+            self.pos += 1;
+            Ok(self.logits())
+        }
+        fn reset(&mut self) {
+            self.pos = 0;
+        }
+    }
+
+    fn go(next: &[u32], prompt: usize, max_tokens: usize, max_seq: usize) -> (Vec<u32>, Stats) {
+        let mut e = Scripted::new(next, max_seq);
+        let mut s = Sampler::new(SamplerConfig::default());
+        let mut got = Vec::new();
+        let prompt: Vec<u32> = vec![1; prompt];
+        let stats = generate(&mut e, &prompt, &mut s, max_tokens, &|id| id == 7, |id| {
+            got.push(id);
+            Ok(Flow::Continue)
+        })
+        .expect("generate");
+        (got, stats)
+    }
+
+    #[test]
+    fn stops_at_eos_and_reports_it() {
+        // After 2 prompt tokens the script favours next[1] = 3, then 4, then EOS (7).
+        let (ids, st) = go(&[0, 3, 4, 7, 5, 5], 2, 10, 100);
+        assert_eq!(ids, [3, 4, 7]);
+        assert_eq!((st.stop, st.generated_tokens, st.decode_steps, st.prompt_tokens), (Stop::Eos, 3, 2, 2));
+    }
+
+    #[test]
+    fn stops_at_max_tokens_without_an_extra_step() {
+        let (ids, st) = go(&[3, 3, 3, 3, 3], 1, 3, 100);
+        assert_eq!(ids, [3, 3, 3]);
+        assert_eq!((st.stop, st.decode_steps), (Stop::MaxTokens, 2));
+        let (ids, st) = go(&[3], 1, 0, 100);
+        assert!(ids.is_empty());
+        assert_eq!(st.stop, Stop::MaxTokens);
+    }
+
+    #[test]
+    fn the_callback_can_stop_generation() {
+        let mut e = Scripted::new(&[3; 8], 100);
+        let mut s = Sampler::new(SamplerConfig::default());
+        let mut n = 0;
+        let st = generate(&mut e, &[1], &mut s, 10, &|_| false, |_| {
+            n += 1;
+            Ok(if n == 2 { Flow::Stop } else { Flow::Continue })
+        })
+        .expect("generate");
+        assert_eq!((st.stop, st.generated_tokens, st.decode_steps), (Stop::Cancelled, 2, 1));
+        let err = generate(&mut e, &[1], &mut s, 10, &|_| false, |_| Err("client went away".into())).err().expect("callback error");
+        assert_eq!(err.to_string(), "client went away");
+    }
+
+    #[test]
+    fn a_full_context_ends_generation_and_an_overlong_prompt_is_an_error() {
+        let (ids, st) = go(&[3; 8], 2, 10, 4);
+        assert_eq!((ids.len(), st.stop), (3, Stop::MaxSeq));
+        let mut e = Scripted::new(&[3; 8], 4);
+        let mut s = Sampler::new(SamplerConfig::default());
+        let err = generate(&mut e, &[1; 5], &mut s, 4, &|_| false, |_| Ok(Flow::Continue)).err().expect("too long");
+        assert!(err.to_string().contains("max_seq 4"), "{err}");
+        let err = generate(&mut e, &[], &mut s, 4, &|_| false, |_| Ok(Flow::Continue)).err().expect("empty");
+        assert!(err.to_string().contains("no tokens"));
+    }
+}
