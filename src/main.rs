@@ -25,6 +25,9 @@ struct Cli {
 enum ProfileArg {
     Bf16,
     F32,
+    /// bf16, with the embedding / LM head and the first and last layers' matrices f32.
+    #[value(name = "bf16-f32edges")]
+    Bf16F32Edges,
 }
 
 impl From<ProfileArg> for Profile {
@@ -32,6 +35,7 @@ impl From<ProfileArg> for Profile {
         match p {
             ProfileArg::Bf16 => Profile::Bf16,
             ProfileArg::F32 => Profile::F32,
+            ProfileArg::Bf16F32Edges => Profile::Bf16F32Edges,
         }
     }
 }

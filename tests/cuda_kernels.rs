@@ -62,7 +62,10 @@ static GPU: Mutex<()> = Mutex::new(());
 /// What the reference needs beyond `CudaArch`, as the arch's generated CPU engine has it.
 struct Ref {
     eps: f32,
+    /// The embedding scale as applied to bf16 weights (HF rounds it to the weights' dtype).
     emb_scale: f32,
+    /// ... and to f32 weights.
+    emb_scale_f32: f32,
     attn_scale: f32,
     /// `gate = act(gate) * up`.
     act: fn(&mut [f32], &[f32]),
@@ -70,7 +73,7 @@ struct Ref {
 
 /// Llama-family constants: no embedding scale, attention scale 1/sqrt(head_dim), SwiGLU.
 fn llama_ref(eps: f32, head_dim: usize) -> Ref {
-    Ref { eps, emb_scale: 1.0, attn_scale: 1.0 / (head_dim as f32).sqrt(), act: cpu::swiglu }
+    Ref { eps, emb_scale: 1.0, emb_scale_f32: 1.0, attn_scale: 1.0 / (head_dim as f32).sqrt(), act: cpu::swiglu }
 }
 
 // ---- Random numbers, bf16, bytes.
@@ -195,16 +198,18 @@ fn defined_kernels(src: &str) -> Vec<String> {
     out
 }
 
-/// A model of `CudaArch`'s shapes with random weights: bf16 matrices uniform in ±1/sqrt(in)
+/// A model of `CudaArch`'s shapes with random weights: matrices uniform in ±1/sqrt(in)
 /// (activations stay O(1)), f32 norm vectors 1 ± 0.1. Three instances of each per-layer tensor:
 /// layer 0's, the last layer's, and one all other layers share (the engine uploads every layer).
+/// Matrices are bf16, or with `mixed`, f32 for layer 0 and the embedding and bf16 for the rest:
+/// one archive of two storage types, each launch taking its weights' kernel instance.
 struct RandomWeights {
     last: u32,
-    tensors: BTreeMap<(Role, u8), Vec<u8>>,
+    tensors: BTreeMap<(Role, u8), (DType, Vec<u8>)>,
 }
 
 impl RandomWeights {
-    fn new(a: &CudaArch, seed: u64) -> RandomWeights {
+    fn new(a: &CudaArch, seed: u64, mixed: bool) -> RandomWeights {
         let (h, q, kv) = (a.hidden, a.heads * a.head_dim, a.kv_heads * a.head_dim);
         let mut shapes = vec![(Role::TokenEmbd, a.vocab, h), (Role::OutputNorm, 1, h)];
         if reads(a, Role::LmHead) {
@@ -231,44 +236,43 @@ impl RandomWeights {
         let all = shapes.iter().map(|s| (*s, 0u8)).chain(per_layer.iter().flat_map(|s| (0..3u8).map(move |v| (*s, v))));
         for ((role, rows, cols), v) in all {
             let seed = seed ^ mix(((role as u64) << 8) | v as u64);
-            let bytes = if role.is_norm() {
-                random_bytes(seed, rows * cols, |r| (1.0 + r.sym(0.1)).to_le_bytes())
-            } else {
-                let amp = 1.0 / (cols as f32).sqrt();
-                random_bytes(seed, rows * cols, |r| to_bf16(r.sym(amp)).to_le_bytes())
+            let amp = 1.0 / (cols as f32).sqrt();
+            let t = if role.is_norm() || (mixed && v == 0) { DType::F32 } else { DType::Bf16 };
+            let bytes = match (role.is_norm(), t) {
+                (true, _) => random_bytes(seed, rows * cols, |r| (1.0 + r.sym(0.1)).to_le_bytes()),
+                (false, DType::F32) => random_bytes(seed, rows * cols, |r| r.sym(amp).to_le_bytes()),
+                (false, _) => random_bytes(seed, rows * cols, |r| to_bf16(r.sym(amp)).to_le_bytes()),
             };
-            tensors.insert((role, v), bytes);
+            tensors.insert((role, v), (t, bytes));
         }
         RandomWeights { last: layer_facts(a).len() as u32 - 1, tensors }
     }
 
-    fn raw(&self, role: Role, layer: Option<u32>) -> Option<&[u8]> {
+    fn raw(&self, role: Role, layer: Option<u32>) -> Option<(DType, &[u8])> {
         let v = match layer {
             _ if role.is_per_layer() != layer.is_some() => return None,
             None | Some(0) => 0,
             Some(l) if l == self.last => 1,
             Some(_) => 2,
         };
-        self.tensors.get(&(role, v)).map(|b| &b[..])
+        self.tensors.get(&(role, v)).map(|(t, b)| (*t, &b[..]))
     }
 
     /// A tensor's values as f32 (bf16 widens exactly).
     fn f32(&self, role: Role, layer: Option<u32>) -> Vec<f32> {
-        let b = self.raw(role, layer).unwrap_or_else(|| panic!("{role:?} layer {layer:?} is not in the random model"));
-        if role.is_norm() {
-            b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-        } else {
-            b.chunks_exact(2).map(|c| from_bf16(u16::from_le_bytes([c[0], c[1]]))).collect()
+        match self.raw(role, layer).unwrap_or_else(|| panic!("{role:?} layer {layer:?} is not in the random model")) {
+            (DType::F32, b) => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            (_, b) => b.chunks_exact(2).map(|c| from_bf16(u16::from_le_bytes([c[0], c[1]]))).collect(),
         }
     }
 }
 
 impl WeightSource for RandomWeights {
     fn dtype(&self, role: Role, layer: Option<u32>) -> Option<DType> {
-        self.raw(role, layer).map(|_| if role.is_norm() { DType::F32 } else { DType::Bf16 })
+        self.raw(role, layer).map(|(t, _)| t)
     }
     fn bytes(&self, role: Role, layer: Option<u32>) -> Result<Cow<'_, [u8]>, String> {
-        self.raw(role, layer).map(Cow::Borrowed).ok_or_else(|| format!("{role:?} layer {layer:?} is not in the random model"))
+        self.raw(role, layer).map(|(_, b)| Cow::Borrowed(b)).ok_or_else(|| format!("{role:?} layer {layer:?} is not in the random model"))
     }
 }
 
@@ -391,7 +395,8 @@ struct T<'a> {
     gemms: Vec<Gemm>,
     rng: Rng,
     checks: Vec<Check>,
-    ran: BTreeSet<&'static str>,
+    /// Kernel instances that ran (`norm_qkv_bf16`).
+    ran: BTreeSet<String>,
     h: usize,
     qd: usize,
     kvd: usize,
@@ -484,9 +489,37 @@ impl<'a> T<'a> {
     fn get_i32(&self, b: Buf) -> Vec<i32> {
         self.read(b).chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
     }
+    /// The storage type of a launch's weights (the instance it runs; GEMM inputs it writes are in it).
+    fn ty(&self, la: &Launch) -> DType {
+        la.typed_by.and_then(|w| self.e.layout().type_of(w)).expect("a typed launch")
+    }
+    /// A buffer of GEMM inputs, read in type `t`.
+    fn get_as(&self, b: Buf, t: DType) -> Vec<f32> {
+        if t == DType::F32 { self.get(b) } else { self.get_bf(b) }
+    }
+    /// `n` random values in ±a that type `t` holds exactly, written to `b` in `t`.
+    fn put_rand_as(&mut self, b: Buf, n: usize, a: f32, t: DType) -> Vec<f32> {
+        if t == DType::F32 {
+            let v = self.rand(n, a);
+            self.put(b, &v);
+            v
+        } else {
+            let (bits, v) = self.rand_bf(n, a);
+            self.put_bf(b, &bits);
+            v
+        }
+    }
+    /// A reference value as a kernel writing type `t` stores it, and the tolerance that leaves.
+    fn round_as(x: f32, t: DType) -> f32 {
+        if t == DType::F32 { x } else { round_bf16(x) }
+    }
+    fn tol_as(t: DType) -> f32 {
+        if t == DType::F32 { TOL_F32 } else { TOL_BF16 }
+    }
+
     /// Run one launch alone over `rows` rows (decode launches: 1) and wait for it.
     fn run(&mut self, la: &Launch, rows: usize) {
-        self.ran.insert(la.kernel);
+        self.ran.insert(self.e.layout().kernel(la));
         self.e.run_step(&Step::Kernel(la.clone()), rows).unwrap_or_else(|e| panic!("{}: running {}: {e}", self.a.arch, la.kernel))
     }
     fn rand(&mut self, n: usize, a: f32) -> Vec<f32> {
@@ -521,8 +554,21 @@ impl<'a> T<'a> {
     }
 
     /// The kernels were rendered with this arch's shapes and the reference's constants.
+    /// The embedding scale the kernels apply to this model's embedding type.
+    fn emb_scale(&self) -> f32 {
+        if self.w.dtype(Role::TokenEmbd, None) == Some(DType::F32) { self.r.emb_scale_f32 } else { self.r.emb_scale }
+    }
+
     fn constants(&mut self) {
-        let k = kernel_consts(self.a.kernels_bf16);
+        let src = self.a.kernels;
+        let mut k = kernel_consts(src);
+        // EMB_SCALE is in each weight type's traits block.
+        let traits = |t: &str| {
+            let i = src.find(&format!("namespace w_{t} {{")).unwrap_or_else(|| panic!("no traits block for {t}"));
+            kernel_consts(&src[i..i + src[i..].find("}  // namespace").expect("namespace end")])
+        };
+        k.insert("EMB_SCALE_F32", traits("f32")["EMB_SCALE"]);
+        k.insert("EMB_SCALE", traits("bf16")["EMB_SCALE"]);
         let a = self.a;
         let want = [
             ("VOCAB", a.vocab as f64),
@@ -533,6 +579,7 @@ impl<'a> T<'a> {
             ("FFN", a.ffn as f64),
             ("EPS", self.r.eps as f64),
             ("EMB_SCALE", self.r.emb_scale as f64),
+            ("EMB_SCALE_F32", self.r.emb_scale_f32 as f64),
             ("ATTN_SCALE", self.r.attn_scale as f64),
             ("ATTN_CHUNK", plan::ATTN_CHUNK as f64),
             ("MATVEC_WARPS", plan::MATVEC_WARPS as f64),
@@ -547,7 +594,7 @@ impl<'a> T<'a> {
             }
             worst = worst.max(if rel.is_nan() { f32::INFINITY } else { rel });
         }
-        let case = if bad.is_empty() { "decode_bf16.cu vs arch".to_string() } else { bad.join(", ") };
+        let case = if bad.is_empty() { "decode.cu vs arch".to_string() } else { bad.join(", ") };
         self.checks.push(Check { kernel: "constants".into(), layer: None, case, max_abs: worst, max_rel: worst, tol: 1e-6, pass: bad.is_empty() });
     }
 
@@ -569,7 +616,7 @@ impl<'a> T<'a> {
             self.put(Buf::X, &poison);
             self.run(&la, 1);
             let mut want = vec![0.0; self.h];
-            cpu::embedding(WeightView::F32(&self.emb), tok, self.h, self.r.emb_scale, &mut want);
+            cpu::embedding(WeightView::F32(&self.emb), tok, self.h, self.emb_scale(), &mut want);
             let got = self.get(Buf::X);
             self.check("embed", None, format!("tok={tok}"), &got[..self.h], &want, TOL_F32);
         }
@@ -668,9 +715,10 @@ impl<'a> T<'a> {
         }
         self.put(Buf::Part, &part);
         self.run(&la, 1);
-        want.iter_mut().for_each(|x| *x = round_bf16(*x));
-        let got = self.get_bf(Buf::PAtt);
-        self.check("attn_combine_rows", None, format!("{splits} splits, some empty"), &got[..self.qd], &want, TOL_BF16);
+        let t = self.ty(&la);
+        want.iter_mut().for_each(|x| *x = Self::round_as(*x, t));
+        let got = self.get_as(Buf::PAtt, t);
+        self.check("attn_combine_rows", None, format!("{splits} splits, some empty, {}", t.name()), &got[..self.qd], &want, Self::tol_as(t));
     }
 
     /// q and k of one token as the kernels leave them: QK-norm (if any), then RoPE at `pos` (if the layer has it).
@@ -779,9 +827,10 @@ impl<'a> T<'a> {
         self.run(&part, rows);
         self.run(combine, rows);
         let w = self.qd + 2 * self.kvd;
-        let want: Vec<f32> = (0..rows).flat_map(|r| self.attn_ref(&qkv[r * w..r * w + self.qd], &k, &v, pos + r, window)).map(round_bf16).collect();
-        let got = self.get_bf(Buf::PAtt);
-        self.check(&format!("attn_partial+{}", combine.kernel), Some(l), case, &got[..rows * self.qd], &want, TOL_BF16);
+        let t = self.ty(combine);
+        let want: Vec<f32> = (0..rows).flat_map(|r| self.attn_ref(&qkv[r * w..r * w + self.qd], &k, &v, pos + r, window)).map(|x| Self::round_as(x, t)).collect();
+        let got = self.get_as(Buf::PAtt, t);
+        self.check(&format!("attn_partial+{}", combine.kernel), Some(l), case, &got[..rows * self.qd], &want, Self::tol_as(t));
     }
 
     fn norm_qkv(&mut self, l: usize, amp: f32) {
@@ -830,7 +879,7 @@ impl<'a> T<'a> {
         self.put(Buf::PX, &want);
         self.run(&la, ROWS);
         for (r, &t) in toks.iter().enumerate() {
-            cpu::embedding(WeightView::F32(&self.emb), t as usize, h, self.r.emb_scale, &mut want[r * h..(r + 1) * h]);
+            cpu::embedding(WeightView::F32(&self.emb), t as usize, h, self.emb_scale(), &mut want[r * h..(r + 1) * h]);
         }
         let got = self.get(Buf::PX);
         self.check("rows_embed", None, format!("rows={ROWS}"), &got[..want.len()], &want, TOL_F32);
@@ -841,15 +890,15 @@ impl<'a> T<'a> {
         let la = self.prefill.iter().find(|k| k.kernel == "rows_norm" && k.args.contains(&Arg::Weight(role, Some(l as u32)))).cloned().expect("rows_norm launch");
         let x = self.rand(ROWS * h, 2.0);
         self.put(Buf::PX, &x);
-        let (poison, mut want) = self.rand_bf((ROWS + 1) * h, 1.0);
-        self.put_bf(Buf::PXn, &poison);
+        let t = self.ty(&la);
+        let mut want = self.put_rand_as(Buf::PXn, (ROWS + 1) * h, 1.0, t);
         self.run(&la, ROWS);
         let g = self.wt(role, l);
         for (xr, wr) in x.chunks(h).zip(want.chunks_mut(h)) {
-            wr.iter_mut().zip(self.rms(xr, &g)).for_each(|(o, n)| *o = round_bf16(n));
+            wr.iter_mut().zip(self.rms(xr, &g)).for_each(|(o, n)| *o = Self::round_as(n, t));
         }
-        let got = self.get_bf(Buf::PXn);
-        self.check("rows_norm", Some(l), format!("{} rows={ROWS}", role.name()), &got[..want.len()], &want, TOL_BF16);
+        let got = self.get_as(Buf::PXn, t);
+        self.check("rows_norm", Some(l), format!("{} rows={ROWS} {}", role.name(), t.name()), &got[..want.len()], &want, Self::tol_as(t));
     }
 
     fn rows_act(&mut self) {
@@ -858,25 +907,26 @@ impl<'a> T<'a> {
         let (g, u) = (self.rand(n, 4.0), self.rand(n, 2.0));
         self.put(Buf::PGate, &g);
         self.put(Buf::PUp, &u);
-        let (poison, mut want) = self.rand_bf(n + self.ffn, 1.0);
-        self.put_bf(Buf::PAct, &poison);
+        let t = self.ty(&la);
+        let mut want = self.put_rand_as(Buf::PAct, n + self.ffn, 1.0, t);
         self.run(&la, ROWS);
         let mut a = g;
         (self.r.act)(&mut a, &u);
-        want[..n].iter_mut().zip(a).for_each(|(o, x)| *o = round_bf16(x));
-        let got = self.get_bf(Buf::PAct);
-        self.check("rows_act", None, format!("rows={ROWS}"), &got[..want.len()], &want, TOL_BF16);
+        want[..n].iter_mut().zip(a).for_each(|(o, x)| *o = Self::round_as(x, t));
+        let got = self.get_as(Buf::PAct, t);
+        self.check("rows_act", None, format!("rows={ROWS} {}", t.name()), &got[..want.len()], &want, Self::tol_as(t));
     }
 
     /// One prefill GEMM: `out[:, col..col + n] (+)= in · W^T` over ROWS rows; the other columns
     /// and the row after the last stay as written.
     fn gemm(&mut self, g: &Gemm) {
         let w = self.w.f32(g.weight.0, g.weight.1);
-        let (xb, x) = self.rand_bf(ROWS * g.k, 1.0);
-        self.put_bf(g.input, &xb);
+        // The input rows in the weight's type, as the launch before the GEMM writes them.
+        let t = self.e.layout().type_of(g.weight).expect("a weight of the schedule");
+        let x = self.put_rand_as(g.input, ROWS * g.k, 1.0, t);
         let mut want = self.rand((ROWS + 1) * g.ldc, 1.0);
         self.put(g.out, &want);
-        let name = format!("gemm {}", g.weight.0.name());
+        let name = format!("gemm {} {}", g.weight.0.name(), t.name());
         let case = format!("{:?} -> {:?}[{}..{}]{}", g.input, g.out, g.out_col, g.out_col + g.n, if g.accumulate { " +=" } else { "" });
         if let Err(e) = self.e.run_step(&Step::Gemm(g.clone()), ROWS) {
             // No cuBLAS is an error of its own, not a reason to stop the other checks.
@@ -972,50 +1022,58 @@ impl<'a> T<'a> {
         }
     }
 
-    /// Every kernel the runtime knows ran in some check.
-    fn coverage(&mut self) {
-        let defined = defined_kernels(self.a.kernels_bf16);
-        let missing: Vec<&str> = defined.iter().map(|k| k.as_str()).filter(|k| !self.ran.contains(k)).collect();
-        let case = if missing.is_empty() { format!("all {} kernels ran", defined.len()) } else { format!("never ran: {}", missing.join(" ")) };
-        let n = missing.len() as f32;
-        self.checks.push(Check { kernel: "coverage".into(), layer: None, case, max_abs: n, max_rel: n, tol: 0.0, pass: missing.is_empty() });
-    }
 }
 
 /// Bring `a` up on random weights and check every kernel: layer 0, the last layer, and the first
-/// NoPE and sliding-window layers where the arch has them.
+/// NoPE and sliding-window layers where the arch has them; once with bf16 matrices and once with
+/// layer 0 and the embedding in f32 (the rest bf16). Last, a check that every kernel instance the
+/// module defines ran in one of the two.
 fn run_arch(a: CudaArch, r: Ref) {
     let _gpu = GPU.lock().unwrap_or_else(|e| e.into_inner());
     let seed = a.arch.bytes().fold(0x7468_696e_u64, |s, b| mix(s ^ b as u64));
-    let w = RandomWeights::new(&a, seed);
-    let e = match CudaEngine::with_weights(&w, &a, &CudaOptions::new(CTX)) {
-        Ok(e) => e,
-        Err(CudaError::NoDriver) => {
-            println!("{}: skipped: no CUDA driver", a.arch);
-            return;
+    let mut checks = Vec::new();
+    let mut ran = BTreeSet::new();
+    for mixed in [false, true] {
+        let w = RandomWeights::new(&a, seed, mixed);
+        let e = match CudaEngine::with_weights(&w, &a, &CudaOptions::new(CTX)) {
+            Ok(e) => e,
+            Err(CudaError::NoDriver) => {
+                println!("{}: skipped: no CUDA driver", a.arch);
+                return;
+            }
+            Err(err) => panic!("{}: bringing up the CUDA engine on random weights (mixed: {mixed}): {err}", a.arch),
+        };
+        let mut t = T::new(&a, &r, &w, &e, seed ^ 1 ^ mixed as u64);
+        t.constants();
+        t.rope_tables();
+        t.embed();
+        t.norm_lm_head();
+        t.argmax_step();
+        t.attn_combine();
+        t.rows_embed();
+        t.rows_act();
+        let facts = layer_facts(&a);
+        let mut layers = vec![0, facts.len() - 1];
+        layers.extend(facts.iter().position(|s| s.rope.is_none()));
+        layers.extend(facts.iter().position(|s| s.window.is_some()));
+        layers.sort_unstable();
+        layers.dedup();
+        for l in layers {
+            t.layer(l);
         }
-        Err(err) => panic!("{}: bringing up the CUDA engine on random weights: {err}", a.arch),
-    };
-    let mut t = T::new(&a, &r, &w, &e, seed ^ 1);
-    t.constants();
-    t.rope_tables();
-    t.embed();
-    t.norm_lm_head();
-    t.argmax_step();
-    t.attn_combine();
-    t.rows_embed();
-    t.rows_act();
-    let facts = layer_facts(&a);
-    let mut layers = vec![0, facts.len() - 1];
-    layers.extend(facts.iter().position(|s| s.rope.is_none()));
-    layers.extend(facts.iter().position(|s| s.window.is_some()));
-    layers.sort_unstable();
-    layers.dedup();
-    for l in layers {
-        t.layer(l);
+        let types = e.stats.weight_types.join("+");
+        checks.extend(t.checks.into_iter().map(|mut c| {
+            c.case = format!("[{types}] {}", c.case);
+            c
+        }));
+        ran.extend(t.ran);
     }
-    t.coverage();
-    report(a.arch, &t.checks);
+    let defined = defined_kernels(a.kernels);
+    let missing: Vec<&str> = defined.iter().map(|k| k.as_str()).filter(|k| !ran.contains(*k)).collect();
+    let case = if missing.is_empty() { format!("all {} kernel instances ran", defined.len()) } else { format!("never ran: {}", missing.join(" ")) };
+    let n = missing.len() as f32;
+    checks.push(Check { kernel: "coverage".into(), layer: None, case, max_abs: n, max_rel: n, tol: 0.0, pass: missing.is_empty() });
+    report(a.arch, &checks);
 }
 
 #[cfg(feature = "smollm2-135m")]
@@ -1048,6 +1106,7 @@ fn smollm3_3b_kernels_match_cpu_reference() {
 fn gemma3_270m_kernels_match_cpu_reference() {
     use thin_generated::gemma3_270m as m;
     let emb_scale = round_bf16((m::consts::HIDDEN as f32).sqrt());
-    let r = Ref { eps: m::consts::RMS_EPS, emb_scale, attn_scale: 1.0 / (m::consts::HEAD_DIM as f32).sqrt(), act: cpu::geglu };
+    let emb_scale_f32 = (m::consts::HIDDEN as f32).sqrt();
+    let r = Ref { eps: m::consts::RMS_EPS, emb_scale, emb_scale_f32, attn_scale: 1.0 / (m::consts::HEAD_DIM as f32).sqrt(), act: cpu::geglu };
     run_arch(m::cuda::arch().expect("a CUDA schedule"), r);
 }

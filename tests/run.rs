@@ -271,3 +271,35 @@ fn bad_input_is_a_clear_error() {
     assert_eq!(out.stats["stop"], "max_seq");
     assert_eq!(out.tokens.len(), 7, "positions 250..256 plus the last sampled token");
 }
+
+/// One archive of two storage types (`--profile bf16-f32edges`: the embedding and the first and
+/// last layers' matrices f32, the rest bf16) runs on the CPU engine, each tensor read as stored;
+/// its logits sit between the f32 archive's and the all-bf16 one's.
+#[test]
+fn an_archive_of_f32_and_bf16_tensors_runs() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let src = repo().join("tests/fixtures/tiny/smollm3-tiny");
+    let logits = |profile: &str| -> Vec<f32> {
+        let a = tmp.path().join(format!("{profile}.thin"));
+        let o = thin(&["convert", utf8(&src), "-o", utf8(&a), "--profile", profile, "--quiet"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let archive = Archive::open(&a).expect("open");
+        let m = archive.manifest();
+        if profile == "bf16-f32edges" {
+            let dtype = |r, l| m.tensor(r, l).expect("tensor").dtype;
+            use thin_core::{dtype::DType, role::Role};
+            assert_eq!((dtype(Role::TokenEmbd, None), dtype(Role::AttnQ, Some(0)), dtype(Role::AttnQ, Some(3))), (DType::F32, DType::F32, DType::F32));
+            assert_eq!((dtype(Role::AttnQ, Some(1)), dtype(Role::FfnDown, Some(2))), (DType::Bf16, DType::Bf16));
+        }
+        let mut e = thin_generated::smollm3_tiny::Engine::new(archive).expect("bind the weights");
+        let mut out = e.prefill(&[1, 7, 42, 255, 3]).expect("prefill").to_vec();
+        for t in [9u32, 100, 2] {
+            out.extend_from_slice(e.decode_step(t).expect("decode"));
+        }
+        out
+    };
+    let (f32, bf16, mixed) = (logits("f32"), logits("bf16"), logits("bf16-f32edges"));
+    let dist = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    let (d_bf16, d_mixed) = (dist(&bf16, &f32), dist(&mixed, &f32));
+    assert!(d_mixed > 0.0 && d_mixed < d_bf16, "max |Δ| from the f32 archive: mixed {d_mixed}, bf16 {d_bf16}");
+}

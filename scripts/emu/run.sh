@@ -11,8 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 tmp=$(mktemp -d)
 for a in ${@:-llama3_2_1b smollm3_3b gemma3_270m}; do
-  { echo '#include "emu.h"'; cat "generated/$a/kernels/decode_bf16.cu"; echo; cat scripts/emu/attn_decode_check.cpp; } > "$tmp/$a.cpp"
-  qk=$(grep -q 'rsqrtf(warp_sum(ss) / HEAD_DIM' "generated/$a/kernels/decode_bf16.cu" && echo 1 || echo 0)
+  { echo '#include "emu.h"'; echo "#define THIN_WEIGHTS_bf16 1"; cat "generated/$a/kernels/decode.cu"; echo; cat scripts/emu/attn_decode_check.cpp; } > "$tmp/$a.cpp"
+  qk=$(grep -q 'rsqrtf(warp_sum(ss) / HEAD_DIM' "generated/$a/kernels/decode.cu" && echo 1 || echo 0)
   g++ -std=c++20 -O2 -pthread -w -DQK_NORM=$qk -I scripts/emu "$tmp/$a.cpp" -o "$tmp/$a"
   echo -n "$a: "; "$tmp/$a" $([ "${QUICK:-1}" = 1 ] && echo quick)
 done

@@ -21,8 +21,7 @@ pub fn emit_cuda_module(d: &Description, schedule: &Result<Schedule, Unsupported
     let body = schedule_tokens(&d.model.name, schedule);
     let arch = if schedule.is_ok() {
         quote! {
-            pub const KERNELS_BF16: &str = include_str!("kernels/decode_bf16.cu");
-            pub const KERNELS_F32: &str = include_str!("kernels/decode_f32.cu");
+            pub const KERNELS: &str = include_str!("kernels/decode.cu");
             /// This arch on the CUDA backend.
             pub fn arch() -> Result<CudaArch, PlanError> {
                 Ok(CudaArch {
@@ -38,8 +37,7 @@ pub fn emit_cuda_module(d: &Description, schedule: &Result<Schedule, Unsupported
                     inv_freq_global: #inv_g,
                     inv_freq_local: #inv_l,
                     schedule: schedule()?,
-                    kernels_bf16: KERNELS_BF16,
-                    kernels_f32: KERNELS_F32,
+                    kernels: KERNELS,
                 })
             }
         }

@@ -6,12 +6,14 @@ use thin_core::cuda::plan::Schedule;
 
 use crate::description::*;
 
-/// The decode-step kernels of one arch at its exact shapes, for one weight storage type.
+/// The decode-step kernels of one arch at its exact shapes, the weight-reading ones once per
+/// storage type the kernels have a traits block for.
 #[derive(askama::Template)]
 #[template(path = "decode.cu.j2", escape = "none")]
 pub struct DecodeKernels {
     pub arch: String,
-    pub wname: &'static str,
+    /// Storage types with a traits block ([`thin_core::cuda::plan::WEIGHT_TYPES`] by name).
+    pub formats: Vec<String>,
     pub vocab: u64,
     pub hidden: u64,
     pub heads: u64,
@@ -20,6 +22,8 @@ pub struct DecodeKernels {
     pub ffn: u64,
     pub eps: String,
     pub emb_scale: String,
+    /// The embedding scale rounded to bf16, as HF applies it to bf16 weights.
+    pub emb_scale_bf16: String,
     pub attn_scale: String,
     pub act: &'static str,
     pub qk_norm: bool,
@@ -38,43 +42,33 @@ impl DecodeKernels {
     }
 }
 
-/// Weight storage types the kernels are instantiated for: (file/name suffix, whether bf16).
-pub const KERNEL_WEIGHT_TYPES: [&str; 2] = ["bf16", "f32"];
-
-/// CUDA sources of one arch: file name → source (without header), one per weight storage type,
-/// holding the kernels `schedule` launches.
+/// The CUDA source of one arch (`decode.cu`): the kernels `schedule` launches.
 pub fn emit_kernels(d: &Description, schedule: &Schedule) -> Result<BTreeMap<String, String>, askama::Error> {
     use askama::Template;
     use thin_core::cuda::plan as cp;
     let a = &d.attention;
     let h = d.dims.hidden_size;
-    let mut out = BTreeMap::new();
-    for wname in KERNEL_WEIGHT_TYPES {
-        let emb = match d.embedding.scale { EmbScale::None => 1.0, EmbScale::SqrtHidden => (h as f64).sqrt() };
-        // HF multiplies by the scale cast to the weights' dtype: in bf16 that is the bf16-rounded value.
-        let emb = if wname == "bf16" { half::bf16::from_f64(emb).to_f64() } else { emb };
-        let k = DecodeKernels {
-            arch: d.model.name.clone(),
-            wname,
-            vocab: d.dims.vocab_size,
-            hidden: h,
-            heads: a.num_heads,
-            kv_heads: a.num_kv_heads,
-            head_dim: a.head_dim,
-            ffn: d.dims.intermediate_size,
-            eps: format!("{:e}", d.norm.eps),
-            emb_scale: format!("{emb:e}"),
-            attn_scale: format!("{:e}", 1.0 / a.query_pre_attn_scalar.unwrap_or(a.head_dim as f64).sqrt()),
-            act: match d.mlp.kind { MlpKind::Swiglu => "silu", MlpKind::GegluTanh => "gelu_tanh" },
-            qk_norm: a.qk_norm == QkNorm::PerHead,
-            attn_chunk: cp::ATTN_CHUNK,
-            attn_cluster: cp::ATTN_CLUSTER,
-            matvec_warps: cp::MATVEC_WARPS,
-            attn_warps: cp::ATTN_WARPS,
-            kernels: schedule.kernels(),
-        };
-        out.insert(format!("decode_{wname}.cu"), k.render()?);
-    }
-    Ok(out)
+    let emb = match d.embedding.scale { EmbScale::None => 1.0, EmbScale::SqrtHidden => (h as f64).sqrt() };
+    let k = DecodeKernels {
+        arch: d.model.name.clone(),
+        formats: cp::WEIGHT_TYPES.iter().map(|t| t.name().to_string()).collect(),
+        vocab: d.dims.vocab_size,
+        hidden: h,
+        heads: a.num_heads,
+        kv_heads: a.num_kv_heads,
+        head_dim: a.head_dim,
+        ffn: d.dims.intermediate_size,
+        eps: format!("{:e}", d.norm.eps),
+        emb_scale: format!("{emb:e}"),
+        emb_scale_bf16: format!("{:e}", half::bf16::from_f64(emb).to_f64()),
+        attn_scale: format!("{:e}", 1.0 / a.query_pre_attn_scalar.unwrap_or(a.head_dim as f64).sqrt()),
+        act: match d.mlp.kind { MlpKind::Swiglu => "silu", MlpKind::GegluTanh => "gelu_tanh" },
+        qk_norm: a.qk_norm == QkNorm::PerHead,
+        attn_chunk: cp::ATTN_CHUNK,
+        attn_cluster: cp::ATTN_CLUSTER,
+        matvec_warps: cp::MATVEC_WARPS,
+        attn_warps: cp::ATTN_WARPS,
+        kernels: schedule.kernels(),
+    };
+    Ok(BTreeMap::from([("decode.cu".to_string(), k.render()?)]))
 }
-

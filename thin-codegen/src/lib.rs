@@ -10,7 +10,7 @@ mod schedule;
 pub use description::*;
 pub use emit_cpu::emit_rust;
 pub use emit_cuda::emit_cuda_module;
-pub use kernels::{emit_kernels, DecodeKernels, KERNEL_WEIGHT_TYPES};
+pub use kernels::{emit_kernels, DecodeKernels};
 pub use lower::*;
 pub use schedule::{cuda_schedule, Unsupported};
 
@@ -41,7 +41,8 @@ const RUST_INPUTS: [&str; 5] = [
     include_str!("emit_cuda.rs"),
     include_str!("schedule.rs"),
 ];
-const KERNEL_INPUTS: [&str; 3] = [include_str!("description.rs"), include_str!("kernels.rs"), include_str!("../../kernels/decode.cu.j2")];
+const KERNEL_INPUTS: [&str; 4] =
+    [include_str!("description.rs"), include_str!("kernels.rs"), include_str!("../../kernels/decode.cu.j2"), include_str!("../../kernels/weights.cu.j2")];
 const LIB_INPUTS: [&str; 1] = [include_str!("lib.rs")];
 
 /// blake3 over length-prefixed parts (so no two different part lists hash alike).

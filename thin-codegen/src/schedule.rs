@@ -5,7 +5,7 @@
 
 use proc_macro2::TokenStream;
 use quote::quote;
-use thin_core::cuda::plan::{Arg, Buf, Gemm, Grid, Launch, RopeTable, Schedule, Step, ATTN_WARPS, MATVEC_WARPS};
+use thin_core::cuda::plan::{Arg, Buf, Gemm, Grid, Launch, RopeTable, Schedule, Step, WeightRef, ATTN_WARPS, MATVEC_WARPS};
 use thin_core::role::Role;
 
 use crate::description::*;
@@ -86,12 +86,18 @@ struct Out {
     prefill: Vec<Step>,
 }
 
+/// A matvec over `rows` outputs of `nr` rows of `weight` of `in_features`, typed by that weight.
+fn mv(weight: WeightRef, in_features: usize, rows: usize, nr: usize) -> (Option<WeightRef>, Grid) {
+    (Some(weight), Grid::Matvec { weight, in_features, rows, nr })
+}
+
 impl Out {
-    fn k(&mut self, kernel: &'static str, grid: Grid, block: u32, args: Vec<Arg>) {
-        self.decode.push(Launch { kernel, grid, block, args });
+    /// A decode launch; `typed`: the tensor whose storage type picks its instance, and its grid.
+    fn k(&mut self, kernel: &'static str, (typed_by, grid): (Option<WeightRef>, Grid), block: u32, args: Vec<Arg>) {
+        self.decode.push(Launch { kernel, typed_by, grid, block, args });
     }
-    fn pk(&mut self, kernel: &'static str, grid: Grid, block: u32, args: Vec<Arg>) {
-        self.prefill.push(Step::Kernel(Launch { kernel, grid, block, args }));
+    fn pk(&mut self, kernel: &'static str, (typed_by, grid): (Option<WeightRef>, Grid), block: u32, args: Vec<Arg>) {
+        self.prefill.push(Step::Kernel(Launch { kernel, typed_by, grid, block, args }));
     }
     #[allow(clippy::too_many_arguments)]
     fn gemm(&mut self, weight: (Role, Option<u32>), input: Buf, out: Buf, out_col: usize, ldc: usize, n: usize, k: usize, accumulate: bool) {
@@ -101,8 +107,9 @@ impl Out {
     /// A projection's output into the residual: decode `fused` (matvec + add) or `plain` then
     /// norm_residual; prefill a GEMM accumulating into PX, or into PO then norm_residual.
     #[allow(clippy::too_many_arguments)]
-    fn into_residual(&mut self, r: Residual, (fused, plain): (&'static str, &'static str), grid: Grid, input: Buf, weight: (Role, Option<u32>), prefill_in: Buf, n: usize, k: usize) {
+    fn into_residual(&mut self, r: Residual, (fused, plain): (&'static str, &'static str), input: Buf, weight: WeightRef, prefill_in: Buf, n: usize, k: usize) {
         let w = Arg::Weight(weight.0, weight.1);
+        let grid = mv(weight, k, n, 1);
         match r {
             Residual::Plain => {
                 self.k(fused, grid, MV, vec![Arg::Buf(input), w, Arg::Buf(Buf::X)]);
@@ -111,9 +118,9 @@ impl Out {
             Residual::PostNorm(post) => {
                 let g = Arg::Weight(post, weight.1);
                 self.k(plain, grid, MV, vec![Arg::Buf(input), w, Arg::Buf(Buf::O)]);
-                self.k("norm_residual", Grid::Fixed(1, 1, 1), 256, vec![Arg::Buf(Buf::O), g, Arg::Buf(Buf::X)]);
+                self.k("norm_residual", (None, Grid::Fixed(1, 1, 1)), 256, vec![Arg::Buf(Buf::O), g, Arg::Buf(Buf::X)]);
                 self.gemm(weight, prefill_in, Buf::PO, 0, n, n, k, false);
-                self.pk("norm_residual", Grid::Rows, 256, vec![Arg::Buf(Buf::PO), g, Arg::Buf(Buf::PX)]);
+                self.pk("norm_residual", (None, Grid::Rows), 256, vec![Arg::Buf(Buf::PO), g, Arg::Buf(Buf::PX)]);
             }
         }
     }
@@ -141,8 +148,9 @@ fn lower_layer(lp: &LayerPlan, d: &Dims) -> Result<Out, Unsupported> {
         })
     };
     let (Some(norm), Some(wq), Some(wk), Some(wv)) = (norm, proj("q"), proj("k"), proj("v")) else { return Err(ops.refuse()) };
-    out.k("norm_qkv", Grid::Matvec { in_features: h, rows: q + 2 * kv, nr: 1 }, MV, vec![Arg::Buf(Buf::X), w(norm), w(wq), w(wk), w(wv), Arg::Buf(Buf::Qkv)]);
-    out.pk("rows_norm", Grid::Rows, 256, vec![Arg::Buf(Buf::PX), w(norm), Arg::Buf(Buf::PXn)]);
+    out.k("norm_qkv", mv((wq, li), h, q + 2 * kv, 1), MV, vec![Arg::Buf(Buf::X), w(norm), w(wq), w(wk), w(wv), Arg::Buf(Buf::Qkv)]);
+    // The GEMM input rows are in q's type (k and v must share it).
+    out.pk("rows_norm", (Some((wq, li)), Grid::Rows), 256, vec![Arg::Buf(Buf::PX), w(norm), Arg::Buf(Buf::PXn)]);
     for (r, col, n) in [(wq, 0, q), (wk, q, kv), (wv, q + kv, kv)] {
         out.gemm((r, li), Buf::PXn, Buf::PQkv, col, q + 2 * kv, n, h, false);
     }
@@ -180,24 +188,24 @@ fn lower_layer(lp: &LayerPlan, d: &Dims) -> Result<Out, Unsupported> {
             _ => None,
         })
         .ok_or_else(|| ops.refuse())?;
-    let (kc, vc, use_rope) = (Arg::Buf(Buf::KCache(l)), Arg::Buf(Buf::VCache(l)), Arg::I32(rope.is_some() as i32));
-    out.k(
-        "attn_decode",
-        Grid::HeadSplits { heads: d.heads },
-        ATTN_WARPS * 32,
-        vec![Arg::Buf(Buf::Qkv), qn, kn, cos, sin, Arg::Buf(Buf::Pos), kc, vc, use_rope, window, Arg::Buf(Buf::Part), Arg::Buf(Buf::AttnCount), Arg::Buf(Buf::Att)],
-    );
-    out.pk("qk_rope_kv", Grid::Rows, 256, vec![Arg::Buf(Buf::PQkv), qn, kn, cos, sin, Arg::Buf(Buf::Pos), kc, vc, use_rope]);
-    out.pk("attn_partial", Grid::HeadRowsZ { heads: d.heads }, ATTN_WARPS * 32, vec![Arg::Buf(Buf::PQkv), kc, vc, Arg::Buf(Buf::Pos), window, Arg::Ctx, Arg::Buf(Buf::PPart)]);
-    out.pk("attn_combine_rows", Grid::HeadRowsY { heads: d.heads }, d.head_dim as u32, vec![Arg::Buf(Buf::PPart), Arg::I32(1), Arg::Buf(Buf::PAtt)]);
-
-    // O projection into the residual
+    // The O projection and its way into the residual (taken here: prefill's attention merge
+    // writes the O GEMM's input, in that weight's type).
     let wo = ops.take(|o| match o {
         Op::Matvec { weight, input, out, .. } if input == "att" && out == "o" => Some(role(weight)),
         _ => None,
     });
     let (Some(wo), Some(r)) = (wo, residual(&mut ops, "o")) else { return Err(ops.refuse()) };
-    out.into_residual(r, ("o_residual", "o_proj"), Grid::Matvec { in_features: q, rows: h, nr: 1 }, Buf::Att, (wo, li), Buf::PAtt, h, q);
+    let (kc, vc, use_rope) = (Arg::Buf(Buf::KCache(l)), Arg::Buf(Buf::VCache(l)), Arg::I32(rope.is_some() as i32));
+    out.k(
+        "attn_decode",
+        (None, Grid::HeadSplits { heads: d.heads }),
+        ATTN_WARPS * 32,
+        vec![Arg::Buf(Buf::Qkv), qn, kn, cos, sin, Arg::Buf(Buf::Pos), kc, vc, use_rope, window, Arg::Buf(Buf::Part), Arg::Buf(Buf::AttnCount), Arg::Buf(Buf::Att)],
+    );
+    out.pk("qk_rope_kv", (None, Grid::Rows), 256, vec![Arg::Buf(Buf::PQkv), qn, kn, cos, sin, Arg::Buf(Buf::Pos), kc, vc, use_rope]);
+    out.pk("attn_partial", (None, Grid::HeadRowsZ { heads: d.heads }), ATTN_WARPS * 32, vec![Arg::Buf(Buf::PQkv), kc, vc, Arg::Buf(Buf::Pos), window, Arg::Ctx, Arg::Buf(Buf::PPart)]);
+    out.pk("attn_combine_rows", (Some((wo, li)), Grid::HeadRowsY { heads: d.heads }), d.head_dim as u32, vec![Arg::Buf(Buf::PPart), Arg::I32(1), Arg::Buf(Buf::PAtt)]);
+    out.into_residual(r, ("o_residual", "o_proj"), Buf::Att, (wo, li), Buf::PAtt, h, q);
 
     // norm + gate/up + activation, then down into the residual
     let ffn_norm = ops.take(|o| match o {
@@ -207,13 +215,13 @@ fn lower_layer(lp: &LayerPlan, d: &Dims) -> Result<Out, Unsupported> {
     let mlp = ops.take(|o| matches!(o, Op::Mlp { .. }).then_some(()));
     let (Some(ffn_norm), Some(())) = (ffn_norm, mlp) else { return Err(ops.refuse()) };
     let (ffn, gate, up, down) = (d.ffn, Role::FfnGate, Role::FfnUp, Role::FfnDown);
-    out.k("norm_gateup", Grid::Matvec { in_features: h, rows: ffn, nr: 2 }, MV, vec![Arg::Buf(Buf::X), w(ffn_norm), w(gate), w(up), Arg::Buf(Buf::Act)]);
-    out.pk("rows_norm", Grid::Rows, 256, vec![Arg::Buf(Buf::PX), w(ffn_norm), Arg::Buf(Buf::PXn)]);
+    out.k("norm_gateup", mv((gate, li), h, ffn, 2), MV, vec![Arg::Buf(Buf::X), w(ffn_norm), w(gate), w(up), Arg::Buf(Buf::Act)]);
+    out.pk("rows_norm", (Some((gate, li)), Grid::Rows), 256, vec![Arg::Buf(Buf::PX), w(ffn_norm), Arg::Buf(Buf::PXn)]);
     out.gemm((gate, li), Buf::PXn, Buf::PGate, 0, ffn, ffn, h, false);
     out.gemm((up, li), Buf::PXn, Buf::PUp, 0, ffn, ffn, h, false);
-    out.pk("rows_act", Grid::Elements { width: ffn }, 256, vec![Arg::Buf(Buf::PGate), Arg::Buf(Buf::PUp), Arg::Buf(Buf::PAct), Arg::Elements { width: ffn }]);
+    out.pk("rows_act", (Some((down, li)), Grid::Elements { width: ffn }), 256, vec![Arg::Buf(Buf::PGate), Arg::Buf(Buf::PUp), Arg::Buf(Buf::PAct), Arg::Elements { width: ffn }]);
     let r = residual(&mut ops, "down").ok_or_else(|| ops.refuse())?;
-    out.into_residual(r, ("down_residual", "down_proj"), Grid::Matvec { in_features: ffn, rows: h, nr: 1 }, Buf::Act, (down, li), Buf::PAct, h, ffn);
+    out.into_residual(r, ("down_residual", "down_proj"), Buf::Act, (down, li), Buf::PAct, h, ffn);
 
     if ops.done() { Ok(out) } else { Err(ops.refuse()) }
 }
@@ -223,8 +231,9 @@ fn lower_prologue(ops: &[Op], d: &Dims) -> Result<Out, Unsupported> {
     ops.take(|o| matches!(o, Op::Embed { out, .. } if out == "x").then_some(())).ok_or_else(|| ops.refuse())?;
     let mut out = Out::default();
     let table = Arg::Weight(Role::TokenEmbd, None);
-    out.k("embed", Grid::Fixed(d.hidden.div_ceil(256) as u32, 1, 1), 256, vec![table, Arg::Buf(Buf::Tok), Arg::Buf(Buf::X)]);
-    out.pk("rows_embed", Grid::Rows, 256, vec![table, Arg::Buf(Buf::PToks), Arg::Buf(Buf::PX)]);
+    let typed = Some((Role::TokenEmbd, None));
+    out.k("embed", (typed, Grid::Fixed(d.hidden.div_ceil(256) as u32, 1, 1)), 256, vec![table, Arg::Buf(Buf::Tok), Arg::Buf(Buf::X)]);
+    out.pk("rows_embed", (typed, Grid::Rows), 256, vec![table, Arg::Buf(Buf::PToks), Arg::Buf(Buf::PX)]);
     if ops.done() { Ok(out) } else { Err(ops.refuse()) }
 }
 
@@ -244,15 +253,16 @@ fn lower_epilogue(ops: &[Op], d: &Dims) -> Result<Vec<Launch>, Unsupported> {
     if !ops.done() {
         return Err(ops.refuse());
     }
-    let grid = Grid::Matvec { in_features: d.hidden, rows: d.vocab, nr: 1 };
+    let (typed_by, grid) = mv((head, None), d.hidden, d.vocab, 1);
     Ok(vec![
         Launch {
             kernel: "norm_lm_head",
+            typed_by,
             grid,
             block: MV,
             args: vec![Arg::Buf(Buf::X), Arg::Weight(norm, None), Arg::Weight(head, None), Arg::Buf(Buf::Logits), Arg::Buf(Buf::ArgPart)],
         },
-        Launch { kernel: "argmax_step", grid: Grid::Fixed(1, 1, 1), block: 1024, args: vec![Arg::Buf(Buf::ArgPart), Arg::GridX(grid), Arg::Buf(Buf::Tok), Arg::Buf(Buf::Pos)] },
+        Launch { kernel: "argmax_step", typed_by: None, grid: Grid::Fixed(1, 1, 1), block: 1024, args: vec![Arg::Buf(Buf::ArgPart), Arg::GridX(grid), Arg::Buf(Buf::Tok), Arg::Buf(Buf::Pos)] },
     ])
 }
 
@@ -283,7 +293,10 @@ pub fn cuda_schedule(desc: &Description, plan: &Plan) -> Result<Schedule, Unsupp
 
 fn grid_tokens(g: &Grid) -> TokenStream {
     match *g {
-        Grid::Matvec { in_features, rows, nr } => quote!(Grid::Matvec { in_features: #in_features, rows: #rows, nr: #nr }),
+        Grid::Matvec { weight, in_features, rows, nr } => {
+            let w = weight_tokens(weight.0, weight.1);
+            quote!(Grid::Matvec { weight: (#w), in_features: #in_features, rows: #rows, nr: #nr })
+        }
         Grid::HeadSplits { heads } => quote!(Grid::HeadSplits { heads: #heads }),
         Grid::Fixed(x, y, z) => quote!(Grid::Fixed(#x, #y, #z)),
         Grid::Rows => quote!(Grid::Rows),
@@ -348,8 +361,15 @@ fn arg_tokens(a: &Arg) -> TokenStream {
 
 fn launch_tokens(l: &Launch) -> TokenStream {
     let (k, g, b) = (l.kernel, grid_tokens(&l.grid), l.block);
+    let typed = match l.typed_by {
+        Some((r, layer)) => {
+            let w = weight_tokens(r, layer);
+            quote!(Some((#w)))
+        }
+        None => quote!(None),
+    };
     let args = l.args.iter().map(arg_tokens);
-    quote!(Launch { kernel: #k, grid: #g, block: #b, args: vec![#(#args),*] })
+    quote!(Launch { kernel: #k, typed_by: #typed, grid: #g, block: #b, args: vec![#(#args),*] })
 }
 
 fn step_tokens(s: &Step) -> TokenStream {

@@ -169,8 +169,10 @@ fn check(name: &str, arch: Result<CudaArch, PlanError>) {
         let n: u64 = t.shape.iter().product();
         assert_eq!(n as usize, expected_elems(&arch, role), "{name}: {role:?} {layer:?} shape {:?}", t.shape);
     }
-    assert!(arch.kernels_bf16.contains(&format!("constexpr int HIDDEN = {};", arch.hidden)), "{name}: kernels rendered at the arch's shapes");
-    assert!(arch.kernels_f32.contains("typedef float W;"));
+    assert!(arch.kernels.contains(&format!("constexpr int HIDDEN = {};", arch.hidden)), "{name}: kernels rendered at the arch's shapes");
+    for t in thin_core::cuda::plan::WEIGHT_TYPES {
+        assert!(arch.kernels.contains(&format!("#ifdef THIN_WEIGHTS_{}\n", t.name())), "{name}: a traits block for {}", t.name());
+    }
 }
 
 #[test]
@@ -186,7 +188,7 @@ fn smollm3_schedule_skips_rope_where_the_archive_says() {
 #[test]
 fn gemma3_schedule_has_windows_local_rope_and_sandwich_norms() {
     let a = thin_generated::gemma3_tiny::cuda::arch().unwrap();
-    assert!(a.kernels_bf16.contains("tanhf"), "GeGLU-tanh activation");
+    assert!(a.kernels.contains("tanhf"), "GeGLU-tanh activation");
     check("gemma3-tiny", Ok(a));
 }
 
@@ -225,13 +227,20 @@ fn waits(src: &str, text: &str, depth: usize) -> bool {
 fn every_scheduled_kernel_waits_for_its_predecessor() {
     let archs = [thin_generated::llama_tiny::cuda::arch(), thin_generated::smollm3_tiny::cuda::arch(), thin_generated::gemma3_tiny::cuda::arch()];
     for a in archs.into_iter().map(Result::unwrap) {
-        for src in [a.kernels_bf16, a.kernels_f32] {
-            let core = &src[src.find("__device__ __forceinline__ void matvec(").expect("matvec core")..];
-            let core = &core[..core.find("\n}\n").unwrap()];
-            let wait = core.find("pdl_enter();").expect("the matvec core calls pdl_enter");
-            assert!(wait < core.find("stage();").unwrap(), "the matvec core waits before staging its input");
-            for k in a.schedule.kernels() {
-                assert!(waits(src, kernel_body(src, k), 3), "{}: kernel {k} never calls pdl_enter()", a.arch);
+        let src = a.kernels;
+        let core = &src[src.find("__device__ __forceinline__ void matvec(").expect("matvec core")..];
+        let core = &core[..core.find("\n}\n").unwrap()];
+        let wait = core.find("pdl_enter();").expect("the matvec core calls pdl_enter");
+        assert!(wait < core.find("stage();").unwrap(), "the matvec core waits before staging its input");
+        let prefill = a.schedule.prefill.iter().filter_map(|s| if let Step::Kernel(l) = s { Some(l) } else { None });
+        for l in a.schedule.decode.iter().chain(prefill) {
+            // Every instance: one per weight type for a typed launch.
+            let names: Vec<String> = match l.typed_by {
+                Some(_) => thin_core::cuda::plan::WEIGHT_TYPES.iter().map(|t| thin_core::cuda::plan::instance(l.kernel, *t)).collect(),
+                None => vec![l.kernel.to_string()],
+            };
+            for k in names {
+                assert!(waits(src, kernel_body(src, &k), 3), "{}: kernel {k} never calls pdl_enter()", a.arch);
             }
         }
     }

@@ -51,6 +51,9 @@ pub enum Profile {
     Bf16,
     /// Everything F32: exact values of the source, for oracle tests.
     F32,
+    /// BF16, but the embedding / LM head and the first and last layers' matrices F32: the
+    /// layers most sensitive to rounding kept exact, one archive of two storage types.
+    Bf16F32Edges,
 }
 
 impl Profile {
@@ -58,6 +61,7 @@ impl Profile {
         match s {
             "bf16" => Some(Profile::Bf16),
             "f32" => Some(Profile::F32),
+            "bf16-f32edges" => Some(Profile::Bf16F32Edges),
             _ => None,
         }
     }
@@ -66,10 +70,11 @@ impl Profile {
         match self {
             Profile::Bf16 => "bf16",
             Profile::F32 => "f32",
+            Profile::Bf16F32Edges => "bf16-f32edges",
         }
     }
 
-    pub const NAMES: &'static [&'static str] = &["bf16", "f32"];
+    pub const NAMES: &'static [&'static str] = &["bf16", "f32", "bf16-f32edges"];
 }
 
 /// One tensor's entry in the plan, with the reason it got its method.
@@ -109,16 +114,22 @@ pub struct PlanInput<'a> {
 
 /// Assign a method to every tensor from the profile and its role.
 pub fn plan_quantization(profile: Profile, tensors: &[PlanInput<'_>]) -> Vec<PlannedTensor> {
+    let last = tensors.iter().filter_map(|t| t.layer).max();
     tensors
         .iter()
         .map(|t| {
+            let edge = !t.role.is_per_layer() || t.layer == Some(0) || t.layer == last;
             let (method, reason) = match profile {
                 Profile::F32 => (QuantMethod::F32, "profile f32 stores every tensor as f32".to_string()),
-                Profile::Bf16 if t.role.is_norm() => (
+                Profile::Bf16 | Profile::Bf16F32Edges if t.role.is_norm() => (
                     QuantMethod::F32,
                     format!("{} is a norm vector: kept f32 (tiny, and `1 + w` folding needs the precision)", t.role.name()),
                 ),
-                Profile::Bf16 => {
+                Profile::Bf16F32Edges if edge => {
+                    let at = t.layer.map_or("the embedding / LM head".to_string(), |l| format!("layer {l}, the first or last"));
+                    (QuantMethod::F32, format!("profile bf16-f32edges: {at} kept f32"))
+                }
+                Profile::Bf16 | Profile::Bf16F32Edges => {
                     let why = if t.source_dtype.is_block_quantized() {
                         format!("profile bf16: {} blocks dequantized to bf16", t.source_dtype.name())
                     } else {
@@ -135,11 +146,11 @@ pub fn plan_quantization(profile: Profile, tensors: &[PlanInput<'_>]) -> Vec<Pla
 impl QuantizationDescriptor {
     pub fn for_profile(profile: Profile, plan: Vec<PlannedTensor>, source_config: serde_json::Value) -> Self {
         let (storage_dtype, bits) = match profile {
-            Profile::Bf16 => (DType::Bf16, 16),
+            Profile::Bf16 | Profile::Bf16F32Edges => (DType::Bf16, 16),
             Profile::F32 => (DType::F32, 32),
         };
         let main = match profile {
-            Profile::Bf16 => QuantMethod::Bf16,
+            Profile::Bf16 | Profile::Bf16F32Edges => QuantMethod::Bf16,
             Profile::F32 => QuantMethod::F32,
         };
         let modules_to_not_convert =
@@ -186,5 +197,20 @@ mod tests {
         assert_eq!(d.bits, 16);
         let f = plan_quantization(Profile::F32, &inputs);
         assert!(f.iter().all(|p| p.method == QuantMethod::F32));
+    }
+
+    #[test]
+    fn edges_profile_keeps_the_embedding_and_first_and_last_layers_f32() {
+        let t = |name, role, layer| PlanInput { name, role, layer, source_dtype: SourceDType::Bf16 };
+        let inputs = [
+            t("token_embd", Role::TokenEmbd, None),
+            t("blk.0.attn_q", Role::AttnQ, Some(0)),
+            t("blk.1.attn_q", Role::AttnQ, Some(1)),
+            t("blk.1.attn_norm", Role::AttnNorm, Some(1)),
+            t("blk.2.ffn_down", Role::FfnDown, Some(2)),
+        ];
+        let methods: Vec<QuantMethod> = plan_quantization(Profile::Bf16F32Edges, &inputs).iter().map(|p| p.method).collect();
+        assert_eq!(methods, [QuantMethod::F32, QuantMethod::F32, QuantMethod::Bf16, QuantMethod::F32, QuantMethod::F32]);
+        assert_eq!(Profile::parse("bf16-f32edges"), Some(Profile::Bf16F32Edges));
     }
 }

@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::dtype::DType;
 use crate::role::Role;
 
 /// Warps per block of every matvec kernel (one output row per warp at a time). The kernel
@@ -26,6 +27,17 @@ pub const MATVEC_BLOCKS_PER_SM: u32 = 4;
 pub const MATVEC_MAX_BLOCKS: u32 = 4096;
 /// Byte alignment of every region in the device arenas (16-byte vector loads need 16; 256 matches cudaMalloc).
 pub const ALIGN: usize = 256;
+/// Weight storage types the kernels have a traits block for (`kernels/decode.cu.j2`): a kernel
+/// that reads weights exists once per type, named [`instance`].
+pub const WEIGHT_TYPES: [DType; 2] = [DType::Bf16, DType::F32];
+
+/// The kernel that runs `kernel` over weights stored as `t` (`norm_qkv_bf16`).
+pub fn instance(kernel: &str, t: DType) -> String {
+    format!("{kernel}_{}", t.name())
+}
+
+/// A tensor of the archive by role and layer.
+pub type WeightRef = (Role, Option<u32>);
 
 /// Which RoPE table a layer rotates with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -50,9 +62,8 @@ pub struct CudaArch {
     pub inv_freq_global: Vec<f64>,
     pub inv_freq_local: Vec<f64>,
     pub schedule: Schedule,
-    /// Kernel sources, weights stored as bf16 and as f32.
-    pub kernels_bf16: &'static str,
-    pub kernels_f32: &'static str,
+    /// The kernel source; weight-reading kernels under `#ifdef THIN_WEIGHTS_<type>`.
+    pub kernels: &'static str,
 }
 
 /// The forward pass on the GPU, in launch order.
@@ -129,6 +140,12 @@ pub enum PlanError {
     Context { ctx: usize, max: usize },
     #[error("a prefill pass of {rows} rows: the layout holds 1 to {max}")]
     PrefillRows { rows: usize, max: usize },
+    #[error("{kernel} reads {a:?} {a_layer:?} stored as {a_type} and {b:?} {b_layer:?} stored as {b_type}: one launch takes one weight type")]
+    MixedLaunch { kernel: &'static str, a: Role, a_layer: Option<u32>, a_type: &'static str, b: Role, b_layer: Option<u32>, b_type: &'static str },
+    #[error("weight {role:?} {layer:?} is stored as {dtype}; the CUDA kernels read {supported}")]
+    WeightType { role: Role, layer: Option<u32>, dtype: &'static str, supported: String },
+    #[error("weight {role:?} {layer:?} is absent from the archive")]
+    MissingWeight { role: Role, layer: Option<u32> },
 }
 
 /// A device buffer of the decode step.
@@ -183,8 +200,9 @@ pub enum Buf {
 /// multiprocessor count), the layout (attention splits) and a prefill pass's rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Grid {
-    /// A matvec over `rows` outputs of `nr` weight rows of `in_features` each ([`matvec_grid`]).
-    Matvec { in_features: usize, rows: usize, nr: usize },
+    /// A matvec over `rows` outputs of `nr` rows of `weight` of `in_features` each
+    /// ([`matvec_grid`]; the weight's storage type sets how many threads share a row).
+    Matvec { weight: WeightRef, in_features: usize, rows: usize, nr: usize },
     /// One block per head and decode attention split: `(heads, splits, 1)`.
     HeadSplits { heads: usize },
     /// Exactly this grid.
@@ -219,13 +237,17 @@ pub enum Arg {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Launch {
     pub kernel: &'static str,
+    /// The tensor whose storage type picks the kernel's instance ([`instance`]): the weight it
+    /// reads, or for a kernel writing a GEMM input, that GEMM's weight. `None`: one kernel for all.
+    pub typed_by: Option<WeightRef>,
     pub grid: Grid,
     pub block: u32,
     pub args: Vec<Arg>,
 }
 
 /// `out[:, col..col + n] (+)= input · W^T` over the pass's rows: a cuBLAS GEMM of prefill, weights
-/// `[n, k]` in their stored type, input rows in the same type, output rows f32 with stride `ldc`.
+/// `[n, k]` in their stored type, input rows in the same type (written by a launch typed by this
+/// GEMM's weight), output rows f32 with stride `ldc`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Gemm {
     pub weight: (Role, Option<u32>),
@@ -278,12 +300,11 @@ pub fn weights_used(launches: &[Launch]) -> Vec<(Role, Option<u32>)> {
     out
 }
 
-/// Offsets of every buffer in one device arena.
+/// Offsets of every buffer in one device arena, and the schedule's grids and values resolved for a
+/// machine and an archive's weight types.
 #[derive(Debug, Clone)]
 pub struct Layout {
     pub ctx: usize,
-    /// Bytes per weight element (2: bf16, 4: f32); the matvec grids depend on it.
-    pub wbytes: usize,
     /// Decode attention splits a head: the context in chunks of [`ATTN_CHUNK`] rows, rounded up
     /// to whole clusters.
     pub splits: usize,
@@ -292,6 +313,8 @@ pub struct Layout {
     /// Most prompt tokens one prefill pass takes (longer prompts go in chunks).
     pub prefill_rows: usize,
     pub total_bytes: usize,
+    /// The storage type of every weight the schedule reads.
+    pub types: BTreeMap<WeightRef, DType>,
     regions: BTreeMap<Buf, (usize, usize)>,
 }
 
@@ -299,14 +322,35 @@ fn align(x: usize) -> usize {
     x.div_ceil(ALIGN) * ALIGN
 }
 
+/// Bytes per element of a weight type the kernels read.
+fn elem_bytes(t: DType) -> usize {
+    match t {
+        DType::F32 => 4,
+        DType::F16 | DType::Bf16 => 2,
+        DType::F8E4m3 | DType::Mxfp4 => 1,
+    }
+}
+
 impl Layout {
     /// Lay out every buffer `a`'s schedule names: decode activations, `prefill_rows` rows of
-    /// prefill activations (GEMM inputs in the weights' type of `wbytes` bytes), the RoPE tables
-    /// and a bf16 KV cache of `ctx` positions for each layer that has one.
-    pub fn new(a: &CudaArch, ctx: usize, prefill_rows: usize, wbytes: usize, sm_count: u32) -> Result<Layout, PlanError> {
+    /// prefill activations (GEMM inputs sized for the widest weight type), the RoPE tables and a
+    /// bf16 KV cache of `ctx` positions for each layer that has one. `type_of` gives each weight's
+    /// storage type; every launch's weights must share one, of [`WEIGHT_TYPES`].
+    pub fn new(a: &CudaArch, ctx: usize, prefill_rows: usize, type_of: &dyn Fn(WeightRef) -> Option<DType>, sm_count: u32) -> Result<Layout, PlanError> {
         if ctx == 0 || ctx > a.max_positions {
             return Err(PlanError::Context { ctx, max: a.max_positions });
         }
+        let mut types = BTreeMap::new();
+        for w in a.schedule.weights() {
+            let t = type_of(w).ok_or(PlanError::MissingWeight { role: w.0, layer: w.1 })?;
+            if !w.0.is_norm() && !WEIGHT_TYPES.contains(&t) {
+                let supported = WEIGHT_TYPES.iter().map(|t| t.name()).collect::<Vec<_>>().join(", ");
+                return Err(PlanError::WeightType { role: w.0, layer: w.1, dtype: t.name(), supported });
+            }
+            types.insert(w, t);
+        }
+        check_launch_types(&a.schedule, &types)?;
+        let wbytes = types.iter().filter(|(w, _)| !w.0.is_norm()).map(|(_, t)| elem_bytes(*t)).max().unwrap_or(4);
         let splits = ctx.div_ceil(ATTN_CHUNK).next_multiple_of(ATTN_CLUSTER);
         let (q, kv) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
         let half = a.head_dim / 2;
@@ -342,7 +386,7 @@ impl Layout {
             regions.insert(b, (off, n));
             off += align(n);
         }
-        Ok(Layout { ctx, wbytes, splits, sm_count, prefill_rows: r, total_bytes: off, regions })
+        Ok(Layout { ctx, splits, sm_count, prefill_rows: r, total_bytes: off, types, regions })
     }
 
     /// (offset, bytes) of a buffer; `None` if the schedule does not use it.
@@ -359,11 +403,27 @@ impl Layout {
         self.regions.iter().filter(|(b, _)| matches!(b, Buf::KCache(_) | Buf::VCache(_))).map(|(_, (_, n))| *n).sum()
     }
 
+    /// The storage type of a weight the schedule reads.
+    pub fn type_of(&self, w: WeightRef) -> Option<DType> {
+        self.types.get(&w).copied()
+    }
+
+    /// The kernel a launch runs here: its instance for its weights' type, or the kernel itself.
+    pub fn kernel(&self, l: &Launch) -> String {
+        match l.typed_by.and_then(|w| self.type_of(w)) {
+            Some(t) => instance(l.kernel, t),
+            None => l.kernel.to_string(),
+        }
+    }
+
     /// The grid of a launch here, in a prefill pass of `rows` rows (decode: 1).
     pub fn grid(&self, g: Grid, rows: usize) -> (u32, u32, u32) {
         let r = rows as u32;
         match g {
-            Grid::Matvec { in_features, rows: out, nr } => matvec_grid(in_features, out, nr, self.wbytes, self.sm_count, MATVEC_BLOCKS_PER_SM),
+            Grid::Matvec { weight, in_features, rows: out, nr } => {
+                let wbytes = self.type_of(weight).map_or(4, elem_bytes);
+                matvec_grid(in_features, out, nr, wbytes, self.sm_count, MATVEC_BLOCKS_PER_SM)
+            }
             Grid::HeadSplits { heads } => (heads as u32, self.splits as u32, 1),
             Grid::Fixed(x, y, z) => (x, y, z),
             Grid::Rows => (r, 1, 1),
@@ -383,6 +443,53 @@ impl Layout {
             Arg::Buf(_) | Arg::Weight(..) | Arg::Null => None,
         }
     }
+}
+
+/// Every launch's matrices share one storage type (its instance's), and every prefill GEMM reads
+/// its input in its weight's type: the type of the launch that last wrote that buffer.
+fn check_launch_types(s: &Schedule, types: &BTreeMap<WeightRef, DType>) -> Result<(), PlanError> {
+    let mixed = |kernel, a: WeightRef, ta: DType, b: WeightRef, tb: DType| PlanError::MixedLaunch {
+        kernel,
+        a: a.0,
+        a_layer: a.1,
+        a_type: ta.name(),
+        b: b.0,
+        b_layer: b.1,
+        b_type: tb.name(),
+    };
+    let check = |l: &Launch| -> Result<(), PlanError> {
+        let Some(by) = l.typed_by else { return Ok(()) };
+        let t = types[&by];
+        for a in &l.args {
+            if let Arg::Weight(r, layer) = *a {
+                let u = types[&(r, layer)];
+                if !r.is_norm() && u != t {
+                    return Err(mixed(l.kernel, by, t, (r, layer), u));
+                }
+            }
+        }
+        Ok(())
+    };
+    s.decode.iter().try_for_each(check)?;
+    let mut written: BTreeMap<Buf, (&'static str, WeightRef)> = BTreeMap::new();
+    for step in &s.prefill {
+        match step {
+            Step::Kernel(l) => {
+                check(l)?;
+                if let (Some(by), Some(Arg::Buf(out))) = (l.typed_by, l.args.last()) {
+                    written.insert(*out, (l.kernel, by));
+                }
+            }
+            Step::Gemm(g) => {
+                if let Some(&(kernel, by)) = written.get(&g.input) {
+                    if types[&by] != types[&g.weight] {
+                        return Err(mixed(kernel, by, types[&by], g.weight, types[&g.weight]));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Key of a compiled kernel module in the on-disk cache: blake3 of the source, the arch, the GPU
@@ -409,19 +516,28 @@ pub fn rope_tables(a: &CudaArch, t: RopeTable, ctx: usize) -> (Vec<f32>, Vec<f32
 mod tests {
     use super::*;
 
+    const HEAD: WeightRef = (Role::TokenEmbd, None);
+    const HEAD_GRID: Grid = Grid::Matvec { weight: HEAD, in_features: 64, rows: 1000, nr: 1 };
+
+    /// Every weight stored as bf16 but norms (f32).
+    fn bf16(w: WeightRef) -> Option<DType> {
+        Some(if w.0.is_norm() { DType::F32 } else { DType::Bf16 })
+    }
+
     /// A two-layer arch whose schedule names a handful of buffers (layer 1 without RoPE).
     fn arch() -> CudaArch {
         let w = |r, l| Arg::Weight(r, l);
-        let launch = |kernel, grid, args| Launch { kernel, grid, block: 256, args };
+        let launch = |kernel, grid, args| Launch { kernel, typed_by: None, grid, block: 256, args };
         let decode = vec![
             launch("embed", Grid::Fixed(1, 1, 1), vec![w(Role::TokenEmbd, None), Arg::Buf(Buf::Tok), Arg::Buf(Buf::X)]),
             launch("attn_decode", Grid::HeadSplits { heads: 4 }, vec![Arg::Buf(Buf::Cos(RopeTable::Global)), Arg::Buf(Buf::KCache(0)), Arg::Buf(Buf::Part)]),
             launch("attn_decode", Grid::HeadSplits { heads: 4 }, vec![Arg::Null, Arg::Buf(Buf::KCache(1)), Arg::Buf(Buf::Part)]),
-            launch("norm_lm_head", Grid::Matvec { in_features: 64, rows: 1000, nr: 1 }, vec![Arg::Buf(Buf::X), Arg::Buf(Buf::ArgPart)]),
-            launch("argmax_step", Grid::Fixed(1, 1, 1), vec![Arg::Buf(Buf::ArgPart), Arg::GridX(Grid::Matvec { in_features: 64, rows: 1000, nr: 1 })]),
+            Launch { typed_by: Some(HEAD), ..launch("norm_lm_head", HEAD_GRID, vec![Arg::Buf(Buf::X), w(Role::TokenEmbd, None), Arg::Buf(Buf::ArgPart)]) },
+            launch("argmax_step", Grid::Fixed(1, 1, 1), vec![Arg::Buf(Buf::ArgPart), Arg::GridX(HEAD_GRID)]),
         ];
         let prefill = vec![
-            Step::Kernel(launch("rows_embed", Grid::Rows, vec![w(Role::TokenEmbd, None), Arg::Buf(Buf::PToks), Arg::Buf(Buf::PX)])),
+            Step::Kernel(Launch { typed_by: Some(HEAD), ..launch("rows_embed", Grid::Rows, vec![w(Role::TokenEmbd, None), Arg::Buf(Buf::PToks), Arg::Buf(Buf::PX)]) }),
+            Step::Kernel(Launch { typed_by: Some((Role::AttnQ, Some(0))), ..launch("rows_norm", Grid::Rows, vec![Arg::Buf(Buf::PX), w(Role::AttnNorm, Some(0)), Arg::Buf(Buf::PXn)]) }),
             Step::Gemm(Gemm { weight: (Role::AttnQ, Some(0)), input: Buf::PXn, out: Buf::PQkv, out_col: 0, ldc: 256, n: 128, k: 64, accumulate: false }),
         ];
         CudaArch {
@@ -437,15 +553,14 @@ mod tests {
             inv_freq_global: crate::cpu::rope_inv_freq(32, 10000.0),
             inv_freq_local: crate::cpu::rope_inv_freq(32, 10000.0),
             schedule: Schedule { epilogue: decode[3..].to_vec(), decode, prefill },
-            kernels_bf16: "",
-            kernels_f32: "",
+            kernels: "",
         }
     }
 
     #[test]
     fn layout_holds_what_the_schedule_names_aligned_and_disjoint() {
         let a = arch();
-        let l = Layout::new(&a, 100, 32, 2, 132).unwrap();
+        let l = Layout::new(&a, 100, 32, &bf16, 132).unwrap();
         let mut regions: Vec<_> = l.regions().collect();
         regions.sort_by_key(|r| r.1);
         for w in regions.windows(2) {
@@ -470,22 +585,23 @@ mod tests {
     #[test]
     fn layout_rejects_bad_context() {
         let a = arch();
-        assert_eq!(Layout::new(&a, 0, 32, 2, 132).unwrap_err(), PlanError::Context { ctx: 0, max: 4096 });
-        assert!(Layout::new(&a, 4097, 32, 2, 132).is_err());
+        assert_eq!(Layout::new(&a, 0, 32, &bf16, 132).unwrap_err(), PlanError::Context { ctx: 0, max: 4096 });
+        assert!(Layout::new(&a, 4097, 32, &bf16, 132).is_err());
     }
 
     #[test]
     fn grids_and_values_resolve_for_the_machine_and_the_pass() {
         let a = arch();
-        let l = Layout::new(&a, 4096, 32, 2, 132).unwrap();
+        let l = Layout::new(&a, 4096, 32, &bf16, 132).unwrap();
         assert_eq!(l.grid(Grid::HeadSplits { heads: 4 }, 1), (4, 64, 1));
         assert_eq!(l.grid(Grid::Rows, 7), (7, 1, 1));
         assert_eq!(l.grid(Grid::HeadRowsZ { heads: 4 }, 7), (4, 1, 7));
         assert_eq!(l.grid(Grid::HeadRowsY { heads: 4 }, 7), (4, 7, 1));
         assert_eq!(l.grid(Grid::Elements { width: 1536 }, 512), (3072, 1, 1));
         assert_eq!(l.grid(Grid::Elements { width: 1 << 20 }, 512), (65535, 1, 1));
-        let head = Grid::Matvec { in_features: 64, rows: 1000, nr: 1 };
-        assert_eq!(l.value(Arg::GridX(head), 1), Some(l.grid(head, 1).0 as i32));
+        assert_eq!(l.value(Arg::GridX(HEAD_GRID), 1), Some(l.grid(HEAD_GRID, 1).0 as i32));
+        assert_eq!(l.kernel(&l_launch(&a, "norm_lm_head")), "norm_lm_head_bf16", "the instance for the head's type");
+        assert_eq!(l.kernel(&l_launch(&a, "argmax_step")), "argmax_step", "one kernel for all types");
         assert_eq!(l.value(Arg::Ctx, 1), Some(4096));
         assert_eq!(l.value(Arg::Elements { width: 10 }, 7), Some(70));
         assert_eq!(l.value(Arg::Buf(Buf::X), 1), None);
@@ -494,9 +610,35 @@ mod tests {
     #[test]
     fn schedule_lists_its_kernels_weights_and_buffers_once() {
         let s = arch().schedule;
-        assert_eq!(s.kernels(), ["embed", "attn_decode", "norm_lm_head", "argmax_step", "rows_embed"]);
-        assert_eq!(s.weights(), [(Role::TokenEmbd, None), (Role::AttnQ, Some(0))]);
+        assert_eq!(s.kernels(), ["embed", "attn_decode", "norm_lm_head", "argmax_step", "rows_embed", "rows_norm"]);
+        assert_eq!(s.weights(), [(Role::TokenEmbd, None), (Role::AttnNorm, Some(0)), (Role::AttnQ, Some(0))]);
         assert!(s.buffers().contains(&Buf::PQkv), "a GEMM's output is a buffer of the schedule");
+    }
+
+    fn l_launch(a: &CudaArch, kernel: &str) -> Launch {
+        a.schedule.decode.iter().find(|l| l.kernel == kernel).cloned().unwrap()
+    }
+
+    #[test]
+    fn weight_types_pick_instances_grids_and_refuse_mixing() {
+        let a = arch();
+        // The head in f32: four bytes an element, so more threads share a row of 64.
+        let f32_head = |w: WeightRef| if w == HEAD { Some(DType::F32) } else { bf16(w) };
+        let l = Layout::new(&a, 64, 32, &f32_head, 132).unwrap();
+        assert_eq!(l.kernel(&l_launch(&a, "norm_lm_head")), "norm_lm_head_f32");
+        assert_eq!(l.grid(HEAD_GRID, 1), matvec_grid(64, 1000, 1, 4, 132, MATVEC_BLOCKS_PER_SM));
+        assert_eq!(l.get(Buf::PXn).unwrap().1, 32 * 64 * 4, "GEMM inputs sized for the widest type");
+        // rows_norm writes q's GEMM input in q's type: a q of another type than rows_norm's is refused.
+        let mut b = arch();
+        if let Step::Kernel(k) = &mut b.schedule.prefill[1] {
+            k.typed_by = Some(HEAD);
+        }
+        let e = Layout::new(&b, 64, 32, &f32_head, 132).unwrap_err();
+        assert!(matches!(e, PlanError::MixedLaunch { kernel: "rows_norm", .. }), "{e}");
+        let fp8 = |w: WeightRef| if w.0 == Role::AttnQ { Some(DType::F8E4m3) } else { bf16(w) };
+        assert!(matches!(Layout::new(&a, 64, 32, &fp8, 132).unwrap_err(), PlanError::WeightType { role: Role::AttnQ, .. }));
+        let none = |w: WeightRef| if w.0 == Role::AttnQ { None } else { bf16(w) };
+        assert!(matches!(Layout::new(&a, 64, 32, &none, 132).unwrap_err(), PlanError::MissingWeight { role: Role::AttnQ, .. }));
     }
 
     #[test]

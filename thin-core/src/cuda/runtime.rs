@@ -105,6 +105,8 @@ pub struct LoadStats {
     pub timeline: bool,
     /// Decode attention splits a head ([`plan::Layout::splits`]).
     pub attn_splits: usize,
+    /// The storage types of the archive's matrices (one kernel instance each).
+    pub weight_types: Vec<String>,
     /// Registers per thread of each kernel, as the compiled module has them.
     pub kernel_regs: std::collections::BTreeMap<String, i32>,
     /// Device memory in use (cuMemGetInfo: total - free) once the context and stream existed,
@@ -252,11 +254,11 @@ pub struct CudaEngine {
     weights: DeviceBuffer,
     /// (offset, bytes) of every uploaded weight in `weights`.
     offsets: std::collections::BTreeMap<(Role, Option<u32>), (usize, usize)>,
-    funcs: std::collections::BTreeMap<&'static str, cusys::CUfunction>,
+    /// Every kernel the schedule launches, by instance name ([`Layout::kernel`]).
+    funcs: BTreeMap<String, cusys::CUfunction>,
     /// The arch, its schedule among it.
     spec: CudaArch,
     blas: Option<blassys::cublasHandle_t>,
-    wtype: blassys::cudaDataType,
     arena: DeviceBuffer,
     layout: Layout,
     pos: usize,
@@ -296,52 +298,54 @@ impl Device {
     }
 }
 
-/// The kernel module of one arch and weight type, compiled (or read from the cache) and loaded,
-/// with every kernel its schedule launches resolved.
-fn compile(dev: &Device, arch: &CudaArch, wtype: DType, timeline: bool, stats: &mut LoadStats) -> Result<(cusys::CUmodule, BTreeMap<&'static str, cusys::CUfunction>), CudaError> {
-    let source = match wtype {
-        DType::Bf16 => arch.kernels_bf16,
-        DType::F32 => arch.kernels_f32,
-        other => return Err(CudaError::Weight { role: Role::TokenEmbd, layer: None, msg: format!("stored as {other:?}; the CUDA kernels read bf16 or f32") }),
-    };
-    // The timeline variant is its own cached cubin: a define in front of the source.
-    let stamped;
-    let source = if timeline {
-        stamped = format!("#define THIN_TIMELINE 1\n{source}");
-        stamped.as_str()
-    } else {
-        source
-    };
-    let (cubin, hit, compile_s) = compiled_cubin(source, arch.arch, &stats.gpu_target, stats.driver_version)?;
+/// The kernel module of one arch, compiled (or read from the cache) and loaded with the weight
+/// types `layout` found in the archive (each a `#define THIN_WEIGHTS_<type>` in front of the
+/// source, so only their kernel instances are compiled), and every kernel the schedule launches
+/// resolved by its instance name.
+fn compile(dev: &Device, arch: &CudaArch, layout: &Layout, timeline: bool, stats: &mut LoadStats) -> Result<(cusys::CUmodule, BTreeMap<String, cusys::CUfunction>), CudaError> {
+    let types: std::collections::BTreeSet<&'static str> = layout.types.iter().filter(|(w, _)| !w.0.is_norm()).map(|(_, t)| t.name()).collect();
+    stats.weight_types = types.iter().map(|t| t.to_string()).collect();
+    let mut defines: String = types.iter().map(|t| format!("#define THIN_WEIGHTS_{t} 1\n")).collect();
+    // The timeline variant is its own cached cubin too.
+    if timeline {
+        defines.push_str("#define THIN_TIMELINE 1\n");
+    }
+    let source = format!("{defines}{}", arch.kernels);
+    let (cubin, hit, compile_s) = compiled_cubin(&source, arch.arch, &stats.gpu_target, stats.driver_version)?;
     stats.kernel_cache_hit = hit;
     stats.compile_s = compile_s;
     drv("binding the context", dev.ctx.bind_to_thread())?;
     let module = drv("loading the kernel module", unsafe { cu::module::load_data(cubin.as_ptr() as *const c_void) })?;
     let mut funcs = BTreeMap::new();
-    for k in arch.schedule.kernels() {
-        let name = CString::new(k).map_err(|_| CudaError::Driver { what: "resolving a kernel", err: format!("bad kernel name {k:?}") })?;
+    let s = &arch.schedule;
+    let prefill = s.prefill.iter().filter_map(|s| if let Step::Kernel(l) = s { Some(l) } else { None });
+    for l in s.decode.iter().chain(prefill).chain(&s.epilogue) {
+        let k = layout.kernel(l);
+        if funcs.contains_key(&k) {
+            continue;
+        }
+        let name = CString::new(k.as_str()).map_err(|_| CudaError::Driver { what: "resolving a kernel", err: format!("bad kernel name {k:?}") })?;
         let f = drv("resolving a kernel", unsafe { cu::module::get_function(module, name) })?;
         let mut regs = 0i32;
         if unsafe { cusys::cuFuncGetAttribute(&mut regs, cusys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS, f) } == cusys::CUresult::CUDA_SUCCESS {
-            stats.kernel_regs.insert(k.to_string(), regs);
+            stats.kernel_regs.insert(k.clone(), regs);
         }
         funcs.insert(k, f);
     }
     Ok((module, funcs))
 }
 
-/// Every weight the schedule reads, uploaded into one device buffer: the buffer and each
-/// tensor's (offset, bytes) in it. Norm vectors are f32 in every profile; matrices share `wtype`.
+/// Every weight the schedule reads, uploaded into one device buffer as stored (the layout has
+/// checked their types): the buffer and each tensor's (offset, bytes) in it.
 #[allow(clippy::type_complexity)]
-fn upload_weights(dev: &Device, src: &dyn WeightSource, arch: &CudaArch, wtype: DType, progress: bool) -> Result<(DeviceBuffer, BTreeMap<(Role, Option<u32>), (usize, usize)>), CudaError> {
+fn upload_weights(dev: &Device, src: &dyn WeightSource, arch: &CudaArch, progress: bool) -> Result<(DeviceBuffer, BTreeMap<(Role, Option<u32>), (usize, usize)>), CudaError> {
     let mut offsets = BTreeMap::new();
     let mut total = 0usize;
     let mut sources = Vec::new();
     for (role, layer) in arch.schedule.weights() {
-        let have = src.dtype(role, layer).ok_or(CudaError::Weight { role, layer, msg: "missing".into() })?;
-        let want = if role.is_norm() { DType::F32 } else { wtype };
-        if have != want {
-            return Err(CudaError::Weight { role, layer, msg: format!("stored as {have:?}; the kernels read it as {want:?}") });
+        // Norm vectors are f32 in every profile (the kernels read them as such).
+        if role.is_norm() && src.dtype(role, layer) != Some(DType::F32) {
+            return Err(CudaError::Weight { role, layer, msg: format!("stored as {:?}; the kernels read norm weights as f32", src.dtype(role, layer)) });
         }
         let bytes = src.bytes(role, layer).map_err(|msg| CudaError::Weight { role, layer, msg })?;
         let n = bytes.len();
@@ -399,17 +403,16 @@ impl CudaEngine {
     pub fn with_weights(src: &dyn WeightSource, arch: &CudaArch, opts: &CudaOptions) -> Result<Self, CudaError> {
         let mut stats = LoadStats::default();
         let dev = Device::open(&mut stats)?;
-        // One weight type for the whole archive picks the kernel instance.
-        let wtype = src.dtype(Role::TokenEmbd, None).ok_or(CudaError::Weight { role: Role::TokenEmbd, layer: None, msg: "missing".into() })?;
-        let layout = Layout::new(arch, opts.ctx, PREFILL_ROWS.min(opts.ctx), if wtype == DType::Bf16 { 2 } else { 4 }, dev.sm_count)?;
+        // Each launch's kernel instance is that of its weights' storage type.
+        let layout = Layout::new(arch, opts.ctx, PREFILL_ROWS.min(opts.ctx), &|(r, l)| src.dtype(r, l), dev.sm_count)?;
         stats.timeline = opts.timeline;
         stats.pdl = dev.major >= 9;
         stats.attn_splits = layout.splits;
         stats.launches_per_step = arch.schedule.decode.len();
-        let (module, funcs) = compile(&dev, arch, wtype, opts.timeline, &mut stats)?;
+        let (module, funcs) = compile(&dev, arch, &layout, opts.timeline, &mut stats)?;
 
         let t = Instant::now();
-        let (weights, offsets) = upload_weights(&dev, src, arch, wtype, opts.progress)?;
+        let (weights, offsets) = upload_weights(&dev, src, arch, opts.progress)?;
         stats.weight_bytes = weights.bytes;
         let arena = DeviceBuffer::new(layout.total_bytes, true, "allocating activations and KV cache")?;
         for t in [RopeTable::Global, RopeTable::Local] {
@@ -424,7 +427,6 @@ impl CudaEngine {
         stats.kv_bytes = layout.kv_bytes();
 
         let blas = blas_handle(&dev)?;
-        let wtype = if wtype == DType::Bf16 { blassys::cudaDataType::CUDA_R_16BF } else { blassys::cudaDataType::CUDA_R_32F };
         let mut e = CudaEngine {
             _ctx: dev.ctx,
             stream: dev.stream,
@@ -436,7 +438,6 @@ impl CudaEngine {
             funcs,
             spec: arch.clone(),
             blas,
-            wtype,
             arena,
             layout,
             pos: 0,
@@ -489,7 +490,8 @@ impl CudaEngine {
     /// it may start while the previous kernel drains, and its `pdl_enter()` (every kernel calls it
     /// before touching activations) waits for that kernel's completion and writes.
     fn launch(&self, l: &Launch, rows: usize, pdl: bool) -> Result<(), CudaError> {
-        let f = *self.funcs.get(l.kernel).ok_or(CudaError::Driver { what: "launching", err: format!("{} is not a kernel of this schedule", l.kernel) })?;
+        let name = self.layout.kernel(l);
+        let f = *self.funcs.get(&name).ok_or(CudaError::Driver { what: "launching", err: format!("{name} is not a kernel of this schedule") })?;
         let grid = self.layout.grid(l.grid, rows);
         let mut values: Vec<ParamValue> = l.args.iter().map(|a| self.resolve(a, rows)).collect::<Result<_, _>>()?;
         let mut params: Vec<*mut c_void> = values
@@ -524,6 +526,12 @@ impl CudaEngine {
     /// column-major `C[n, rows] = op(W)^T · X`.
     fn gemm(&self, handle: blassys::cublasHandle_t, g: &Gemm, rows: usize) -> Result<(), CudaError> {
         let w = self.weight(g.weight.0, g.weight.1)?;
+        // The weights as stored; the input rows were written in the same type (the layout checked).
+        let wtype = match self.layout.type_of(g.weight) {
+            Some(DType::Bf16) => blassys::cudaDataType::CUDA_R_16BF,
+            Some(DType::F32) => blassys::cudaDataType::CUDA_R_32F,
+            other => return Err(CudaError::Weight { role: g.weight.0, layer: g.weight.1, msg: format!("stored as {other:?}; prefill's GEMMs take bf16 or f32") }),
+        };
         let x = self.buf(g.input);
         let c = self.buf(g.out) + (g.out_col * 4) as u64;
         let (alpha, beta) = (1.0f32, if g.accumulate { 1.0f32 } else { 0.0f32 });
@@ -537,10 +545,10 @@ impl CudaEngine {
                 g.k as i32,
                 &alpha as *const f32 as *const c_void,
                 w as *const c_void,
-                self.wtype,
+                wtype,
                 g.k as i32,
                 x as *const c_void,
-                self.wtype,
+                wtype,
                 g.k as i32,
                 &beta as *const f32 as *const c_void,
                 c as *mut c_void,
@@ -757,7 +765,7 @@ impl CudaEngine {
             }
         }
         // Weight bytes a launch reads: whole tensors, but one row of the embedding table.
-        let row = self.spec.hidden * self.layout.wbytes;
+        let row = self.offsets.get(&(Role::TokenEmbd, None)).map_or(0, |x| x.1 / self.spec.vocab);
         let wbytes = |ls: &[&Launch]| -> usize {
             ls.iter()
                 .flat_map(|l| l.args.iter().map(move |a| (l.kernel, a)))
