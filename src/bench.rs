@@ -69,6 +69,8 @@ impl BenchEngine for thin_core::cuda::runtime::CudaEngine {
 #[cfg(feature = "cuda")]
 pub fn open_cuda(archive: &Archive, opts: &CudaOptions) -> anyhow::Result<thin_core::cuda::runtime::CudaEngine> {
     let m = archive.manifest();
+    // cuda_arch picks by shape alone; the engine's baked-in constants must be the archive's too.
+    thin_core::engine::check_known_math(m, thin_generated::KNOWN_ARCHS)?;
     let Some(arch) = thin_generated::cuda_arch(&m.shape_fingerprint) else {
         bail!(
             "this thin carries no engine for this archive ({:?}, {} layers, hidden {}, shape fingerprint {}); rebuild with `cargo build --release --features cuda,<arch>` (arch features: {})",
