@@ -130,7 +130,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Run(args) => run::run(args),
         Command::Convert { src, out, profile, quiet } => {
-            let opts = ConvertOptions { profile: profile.into(), progress: !quiet };
+            let opts = ConvertOptions { profile: profile.into(), progress: !quiet, archs: thin_generated::KNOWN_ARCHS };
             let r = convert(&src, &out, &opts)
                 .with_context(|| format!("converting {} to {}", src.display(), out.display()))?;
             if !quiet {

@@ -7,7 +7,7 @@ use std::process::Command;
 
 use thin_core::arch::Family;
 use thin_core::format::Archive;
-use thin_core::names::{resolve, NameMatch};
+use thin_core::names::{NameMatch, NameTable};
 use thin_core::role::Role;
 use thin_core::source::SourceKind;
 
@@ -45,9 +45,10 @@ fn archive_values_equal_gguf_py_dequantization() {
     let reference = reference();
     let tensors = reference["tensors"].as_array().expect("tensors");
     assert!(tensors.len() >= 10);
+    let names = NameTable::for_family(thin_generated::KNOWN_ARCHS, Family::Llama).expect("llama names");
     for r in tensors {
         let gguf_name = r["name"].as_str().expect("name");
-        let (role, layer) = match resolve(Family::Llama, SourceKind::Gguf, gguf_name).expect("name") {
+        let (role, layer) = match names.resolve(SourceKind::Gguf, gguf_name).expect("name") {
             NameMatch::Tensor { role, layer, .. } => (role, layer),
             NameMatch::Ignored => panic!("{gguf_name} is a model tensor"),
         };

@@ -249,6 +249,42 @@ fn arch_mismatch_names_both_archs_and_fingerprints() {
 }
 
 #[test]
+fn math_constants_are_checked_at_open() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    type Change = fn(&mut thin_core::arch::ArchConfig);
+    // Per fixture: one constant the converter recorded, changed; the shapes stay those of the engine.
+    let cases: [(&str, Change, &str); 8] = [
+        ("llama-tiny", |a| a.rope.theta = 100000.0, "rope theta: the archive has 100000, the engine 10000"),
+        ("llama-tiny", |a| a.rms_norm_eps = 1e-5, "rms norm eps: the archive has 0.00001, the engine 0.000001"),
+        ("llama-tiny", |a| a.rope.scaling = None, "rope scaling factor: the archive has none, the engine 8"),
+        ("smollm3-tiny", |a| a.no_rope_layers = vec![], "layers without rope: the archive has [], the engine [3]"),
+        ("gemma3-tiny", |a| a.sliding_window = Some(8), "sliding window: the archive has 8, the engine 4"),
+        ("gemma3-tiny", |a| a.rope.local_theta = Some(20000.0), "rope local theta: the archive has 20000, the engine 10000"),
+        ("gemma3-tiny", |a| a.final_logit_softcap = Some(30.0), "final logit softcap: the archive has 30, the engine none"),
+        ("olmoe-tiny", |a| a.attn_logit_softcap = Some(50.0), "attention logit softcap: the archive has 50, the engine none"),
+    ];
+    for name in FAMILIES {
+        let a = convert(name, tmp.path());
+        let archive = std::sync::Arc::new(Archive::open(&a).expect("open"));
+        assert!(thin_generated::open_cpu(archive.clone()).is_ok(), "{name}: the converted fixture opens");
+        thin_core::engine::check_known_math(archive.manifest(), thin_generated::KNOWN_ARCHS).expect(name);
+    }
+    for (i, (name, change, want)) in cases.into_iter().enumerate() {
+        let bad = tmp.path().join(format!("{name}-{i}.thin"));
+        with_arch(&tmp.path().join(format!("{name}.thin")), &bad, change);
+        let archive = std::sync::Arc::new(Archive::open(&bad).expect("open"));
+        let e = thin_generated::open_cpu(archive.clone()).err().unwrap_or_else(|| panic!("{want}: opened"));
+        assert!(matches!(e, thin_core::engine::OpenError::MathConstants { .. }), "{e}");
+        assert!(e.to_string().contains(want) && e.to_string().contains(name), "{e}");
+        let e = thin_core::engine::check_known_math(archive.manifest(), thin_generated::KNOWN_ARCHS).expect_err(want);
+        assert!(e.to_string().contains(want), "{e}");
+    }
+    // Through the CLI: the error line names the constant and both values.
+    let err = run_fails(&tmp.path().join("llama-tiny-0.thin"), &["--prompt", "hi"]);
+    assert!(err.contains("rope theta: the archive has 100000, the engine 10000"), "{err}");
+}
+
+#[test]
 fn bad_input_is_a_clear_error() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let a = convert("llama-tiny", tmp.path());

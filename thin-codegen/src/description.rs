@@ -27,7 +27,7 @@ pub struct Description {
     pub embedding: Embedding,
     #[serde(default)]
     pub final_logit_softcap: Option<f64>,
-    pub tensors: BTreeMap<String, TensorNames>,
+    pub tensors: Tensors,
 }
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -81,6 +81,28 @@ pub enum EmbScale { None, SqrtHidden }
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TensorNames { pub hf: String, pub gguf: String }
+/// `[tensors]`: the source names of every role (`roles`, keyed by `Role::name`), plus what the
+/// importers skip or rewrite. Every other key is a role, so a misspelt role is an error.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Tensors {
+    #[serde(default)]
+    pub ignore: IgnoredNames,
+    /// `[from, to]` HF name-prefix rewrites applied before matching.
+    #[serde(default)]
+    pub hf_prefix_aliases: Vec<(String, String)>,
+    #[serde(flatten)]
+    pub roles: BTreeMap<String, TensorNames>,
+}
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IgnoredNames {
+    #[serde(default)]
+    pub hf: Vec<String>,
+    #[serde(default)]
+    pub gguf: Vec<String>,
+    #[serde(default)]
+    pub hf_prefixes: Vec<String>,
+}
 
 pub fn parse(file: &str, text: &str) -> Result<Description, CodegenError> {
     toml::from_str(text).map_err(|e| CodegenError::Parse { file: file.to_string(), msg: e.to_string() })
@@ -88,6 +110,7 @@ pub fn parse(file: &str, text: &str) -> Result<Description, CodegenError> {
 
 /// Every problem in the description at once, each naming its key path.
 pub fn validate(file: &str, d: &Description) -> Result<(), CodegenError> {
+    use thin_core::role::Role::{MoeDown, MoeGate, MoeUp};
     let mut e = Vec::new();
     let a = &d.attention;
     for (k, v) in [
@@ -142,33 +165,60 @@ pub fn validate(file: &str, d: &Description) -> Result<(), CodegenError> {
     if d.mlp.hidden_act != expect_act {
         e.push(format!("mlp.hidden_act: {:?} does not match mlp.kind (expected {expect_act:?})", d.mlp.hidden_act));
     }
-    for k in d.tensors.keys() {
-        match thin_core::role::Role::from_name(k) {
-            None => e.push(format!("tensors.{k}: unknown role")),
-            Some(r) if r.is_per_layer() => {
-                let t = &d.tensors[k];
-                if !t.hf.contains("{l}") {
-                    e.push(format!("tensors.{k}.hf: per-layer pattern lacks {{l}}"));
-                }
-                if !t.gguf.contains("{l}") {
-                    e.push(format!("tensors.{k}.gguf: per-layer pattern lacks {{l}}"));
-                }
+    for (k, t) in &d.tensors.roles {
+        let Some(r) = thin_core::role::Role::from_name(k) else {
+            e.push(format!("tensors.{k}: unknown role"));
+            continue;
+        };
+        for (fmt, p) in [("hf", &t.hf), ("gguf", &t.gguf)] {
+            if r.is_per_layer() != p.contains("{l}") {
+                let says = if r.is_per_layer() { "per-layer pattern lacks {l}" } else { "model-level pattern has {l}" };
+                e.push(format!("tensors.{k}.{fmt}: {says}"));
             }
-            Some(_) => {}
+            // Only HF stores one tensor per expert (OLMoE); GGUF stacks them.
+            let expert_ok = fmt == "hf" && matches!(r, MoeGate | MoeUp | MoeDown);
+            if p.contains("{e}") && !expert_ok {
+                e.push(format!("tensors.{k}.{fmt}: {{e}} is only for the hf names of moe_gate, moe_up, moe_down"));
+            }
+            if let Some(bad) = unknown_placeholder(p) {
+                e.push(format!("tensors.{k}.{fmt}: unknown placeholder {bad} (only {{l}} and {{e}})"));
+            }
+        }
+    }
+    for (fmt, list) in [("hf", &d.tensors.ignore.hf), ("gguf", &d.tensors.ignore.gguf)] {
+        for p in list {
+            if let Some(bad) = unknown_placeholder(p) {
+                e.push(format!("tensors.ignore.{fmt}: {p:?} has unknown placeholder {bad}"));
+            }
         }
     }
     for r in required_roles(d) {
-        if !d.tensors.contains_key(r.name()) {
+        if !d.tensors.roles.contains_key(r.name()) {
             e.push(format!("tensors.{}: missing", r.name()));
         }
     }
     if e.is_empty() { Ok(()) } else { Err(CodegenError::Invalid { file: file.to_string(), errors: e }) }
 }
 
+/// The first `{...}` in a pattern other than `{l}` / `{e}`.
+fn unknown_placeholder(p: &str) -> Option<&str> {
+    let mut rest = p;
+    while let Some(i) = rest.find('{') {
+        let end = rest[i..].find('}').map_or(rest.len(), |j| i + j + 1);
+        let tok = &rest[i..end];
+        if tok != "{l}" && tok != "{e}" {
+            return Some(tok);
+        }
+        rest = &rest[end..];
+    }
+    None
+}
+
 fn required_roles(d: &Description) -> Vec<thin_core::role::Role> {
     use thin_core::role::Role::*;
-    let mut r = vec![TokenEmbd, OutputNorm, AttnNorm, AttnQ, AttnK, AttnV, AttnO, FfnNorm];
-    if !d.embedding.tie_word_embeddings { r.push(LmHead); }
+    // The LM head is named even when tied: the importer reads it from untied checkpoints of the
+    // family, and a family's descriptions share one table.
+    let mut r = vec![TokenEmbd, OutputNorm, LmHead, AttnNorm, AttnQ, AttnK, AttnV, AttnO, FfnNorm];
     if d.attention.qk_norm != QkNorm::None { r.extend([AttnQNorm, AttnKNorm]); }
     if d.norm.placement == Placement::Sandwich { r.extend([AttnPostNorm, FfnPostNorm]); }
     if d.moe.is_some() { r.extend([MoeRouter, MoeGate, MoeUp, MoeDown]); } else { r.extend([FfnGate, FfnUp, FfnDown]); }

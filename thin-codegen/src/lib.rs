@@ -92,6 +92,8 @@ pub fn generate_all(root: &Path) -> Result<BTreeMap<PathBuf, String>, CodegenErr
     let mut files = BTreeMap::new();
     let mut feats = Vec::new();
     let mut errors = Vec::new();
+    // The first description of each family, whose [tensors] the others must equal.
+    let mut family_tables: std::collections::HashMap<Family, (String, Tensors)> = std::collections::HashMap::new();
     for rel in descriptions(root)? {
         let rels = rel.to_string_lossy().to_string();
         let text = std::fs::read_to_string(root.join(&rel)).map_err(|e| CodegenError::Io { path: rels.clone(), msg: e.to_string() })?;
@@ -106,8 +108,24 @@ pub fn generate_all(root: &Path) -> Result<BTreeMap<PathBuf, String>, CodegenErr
                 if name != stem {
                     errors.push(format!("{rels}: model.name {name:?} differs from the file stem {stem:?} (the feature name)"));
                 }
-                let family = parse(&rels, &text)?.model.family;
-                feats.push((stem, family, plan.fingerprint));
+                let d = parse(&rels, &text)?;
+                if let Some((other, other_tensors)) = family_tables.get(&d.model.family) {
+                    if let Some(what) = tensors_difference(other_tensors, &d.tensors) {
+                        errors.push(format!(
+                            "{rels}: [tensors] differs from {other}'s on {what}; descriptions of family {} share one name table",
+                            d.model.family.name()
+                        ));
+                    }
+                } else {
+                    family_tables.insert(d.model.family, (rels.clone(), d.tensors.clone()));
+                }
+                feats.push(LibEntry {
+                    name: stem,
+                    family: d.model.family,
+                    fingerprint: plan.fingerprint,
+                    math: math_constants(&d),
+                    tensors: tensor_names(&d),
+                });
             }
             Err(e) => errors.push(e.to_string()),
         }
@@ -119,59 +137,187 @@ pub fn generate_all(root: &Path) -> Result<BTreeMap<PathBuf, String>, CodegenErr
     Ok(files)
 }
 
+/// What generated/lib.rs says about one description.
+struct LibEntry {
+    /// Description name = feature = file stem.
+    name: String,
+    family: Family,
+    fingerprint: String,
+    /// A `thin_core::engine::MathConstants` expression ([`math_constants`]).
+    math: String,
+    /// A `thin_core::names::TensorNames` expression ([`tensor_names`]).
+    tensors: String,
+}
+
+/// The first thing two `[tensors]` tables name differently (a role, or an ignore/alias list).
+pub fn tensors_difference(a: &Tensors, b: &Tensors) -> Option<String> {
+    for role in a.roles.keys().chain(b.roles.keys()) {
+        match (a.roles.get(role), b.roles.get(role)) {
+            (Some(x), Some(y)) if x.hf != y.hf => return Some(format!("tensors.{role}.hf ({:?} vs {:?})", x.hf, y.hf)),
+            (Some(x), Some(y)) if x.gguf != y.gguf => return Some(format!("tensors.{role}.gguf ({:?} vs {:?})", x.gguf, y.gguf)),
+            (Some(_), Some(_)) => {}
+            _ => return Some(format!("tensors.{role} (absent from one)")),
+        }
+    }
+    if a.ignore.hf != b.ignore.hf {
+        return Some("tensors.ignore.hf".into());
+    }
+    if a.ignore.gguf != b.ignore.gguf {
+        return Some("tensors.ignore.gguf".into());
+    }
+    if a.ignore.hf_prefixes != b.ignore.hf_prefixes {
+        return Some("tensors.ignore.hf_prefixes".into());
+    }
+    if a.hf_prefix_aliases != b.hf_prefix_aliases {
+        return Some("tensors.hf_prefix_aliases".into());
+    }
+    None
+}
+
+/// The description's `[tensors]` as a `thin_core::names::TensorNames` expression, roles in
+/// `Role` order (validation has checked every key is a role).
+pub fn tensor_names(d: &Description) -> String {
+    let t = &d.tensors;
+    let mut roles: Vec<(thin_core::role::Role, &TensorNames)> =
+        t.roles.iter().filter_map(|(k, v)| thin_core::role::Role::from_name(k).map(|r| (r, v))).collect();
+    roles.sort_by_key(|(r, _)| *r);
+    let list = |v: &[String]| v.iter().map(|x| format!("{x:?}")).collect::<Vec<_>>().join(", ");
+    let mut out = String::from("TensorNames {
+    roles: &[
+");
+    for (r, n) in roles {
+        out += &format!("        RoleNames {{ role: Role::{r:?}, hf: {:?}, gguf: {:?} }},
+", n.hf, n.gguf);
+    }
+    out += &format!(
+        "    ],
+    hf_ignore: &[{}],
+    gguf_ignore: &[{}],
+    hf_ignore_prefixes: &[{}],
+    hf_prefix_aliases: &[{}],
+}}",
+        list(&t.ignore.hf),
+        list(&t.ignore.gguf),
+        list(&t.ignore.hf_prefixes),
+        t.hf_prefix_aliases.iter().map(|(a, b)| format!("({a:?}, {b:?})")).collect::<Vec<_>>().join(", ")
+    );
+    out
+}
+
+/// The description's math constants as a `thin_core::engine::MathConstants` expression: the same
+/// values `lower` bakes into the engine, so `select_engine` can compare them with a manifest.
+pub fn math_constants(d: &Description) -> String {
+    fn opt_f(v: Option<f64>) -> String {
+        v.map_or_else(|| "None".to_string(), |x| format!("Some({x:?})"))
+    }
+    let a = &d.attention;
+    let no_rope: Vec<String> = match d.rope.skip_every {
+        Some(n) if n > 0 => (0..d.dims.num_layers).filter(|l| (l + 1) % n == 0).map(|l| l.to_string()).collect(),
+        _ => Vec::new(),
+    };
+    let scaling = d.rope.scaling.as_ref().map_or_else(
+        || "None".to_string(),
+        |s| {
+            format!(
+                "Some(RopeScalingConstants {{ rope_type: {:?}, factor: {:?}, low_freq_factor: {:?}, high_freq_factor: {:?}, original_max_position_embeddings: {} }})",
+                s.rope_type, s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings
+            )
+        },
+    );
+    let emb = match d.embedding.scale { EmbScale::None => 1.0, EmbScale::SqrtHidden => (d.dims.hidden_size as f64).sqrt() };
+    let attn = 1.0 / a.query_pre_attn_scalar.unwrap_or(a.head_dim as f64).sqrt();
+    format!(
+        "MathConstants {{\n    rms_norm_eps: {:?},\n    rope_theta: {:?},\n    rope_local_theta: {},\n    rope_scaling: {},\n    \
+         no_rope_layers: &[{}],\n    attn_logit_softcap: {},\n    final_logit_softcap: {},\n    sliding_window: {},\n    \
+         embedding_scale: {:?},\n    attention_scale: {:?},\n}}",
+        d.norm.eps,
+        d.rope.theta,
+        opt_f(d.rope.local_theta),
+        scaling,
+        no_rope.join(", "),
+        opt_f(a.softcap),
+        opt_f(d.final_logit_softcap),
+        a.sliding_window.map_or_else(|| "None".to_string(), |w| format!("Some({w})")),
+        emb,
+        attn,
+    )
+}
+
+/// The name of a description's generated constant (`SMOLLM2_135M_MATH`).
+fn const_name(name: &str, what: &str) -> String {
+    format!("{}_{what}", module_name(name).to_uppercase())
+}
+
 /// generated/lib.rs: the modules behind their features, the table of every known description, the
-/// compiled-in CPU engines and `open_cpu`, which picks the one whose shape fingerprint fits.
-/// `feats` is (feature = description name, family, shape fingerprint) per description.
-fn emit_lib(feats: &[(String, Family, String)]) -> String {
-    let listing: String = feats.iter().map(|(f, family, fp)| format!("{f} {family:?} {fp}\n")).collect();
-    let mut lib = format!("// @generated by thin-codegen from archs/*.toml, inputs blake3 {}\n", inputs_hash([listing.as_str()].into_iter().chain(LIB_INPUTS)));
-    lib.push_str(
+/// compiled-in CPU engines and `open_cpu`, which picks the one whose shape fingerprint fits and
+/// whose math constants equal the archive's.
+fn emit_lib(feats: &[LibEntry]) -> String {
+    let mut lib = String::from(
         "//! Engines generated by thin-codegen, one module per architecture behind its feature, and the\n\
          //! dispatcher that picks the compiled-in engine fitting an archive.\n\n\
          use std::sync::Arc;\n\n\
          use thin_core::arch::Family;\n\
-         use thin_core::engine::{CompiledEngine, Engine, KnownArch, OpenError};\n\
-         use thin_core::format::Archive;\n\n",
+         use thin_core::engine::{CompiledEngine, Engine, KnownArch, MathConstants, OpenError};\n\
+         #[allow(unused_imports)]\n\
+         use thin_core::engine::RopeScalingConstants;\n\
+         use thin_core::format::Archive;\n\
+         use thin_core::names::{RoleNames, TensorNames};\n\
+         use thin_core::role::Role;\n\n",
     );
-    for (f, _, _) in feats {
-        lib += &format!("#[cfg(feature = \"{f}\")]\n#[path = \"{m}/mod.rs\"]\npub mod {m};\n", m = module_name(f));
+    for e in feats {
+        lib += &format!("#[cfg(feature = \"{f}\")]\n#[path = \"{m}/mod.rs\"]\npub mod {m};\n", f = e.name, m = module_name(&e.name));
     }
     lib += "\n/// Every architecture feature this crate knows.\npub const AVAILABLE_FEATURES: &[&str] = &[\n";
-    for (f, _, _) in feats {
-        lib += &format!("    \"{f}\",\n");
+    for e in feats {
+        lib += &format!("    \"{}\",\n", e.name);
     }
     lib += "];\n";
+    for e in feats {
+        lib += &format!("\n/// The math constants of archs/ `{}`.\npub const {}: MathConstants = {};\n", e.name, const_name(&e.name, "MATH"), e.math);
+        lib += &format!("\n/// The tensor names of archs/ `{}`.\npub const {}: {};\n", e.name, const_name(&e.name, "TENSORS"), e.tensors.replacen("TensorNames {", "TensorNames = TensorNames {", 1));
+    }
     lib += "\n/// Every description in archs/, compiled in or not: names an archive's shapes in errors.\n\
             pub const KNOWN_ARCHS: &[KnownArch] = &[\n";
-    for (f, family, fp) in feats {
-        lib += &format!("    KnownArch {{ name: \"{f}\", family: Family::{family:?}, fingerprint: \"{fp}\" }},\n");
+    for e in feats {
+        lib += &format!(
+            "    KnownArch {{ name: \"{}\", family: Family::{:?}, fingerprint: \"{}\", math: {}, tensors: {} }},\n",
+            e.name,
+            e.family,
+            e.fingerprint,
+            const_name(&e.name, "MATH"),
+            const_name(&e.name, "TENSORS")
+        );
     }
     lib += "];\n";
     lib += "\n/// The CPU engines compiled into this build, one per enabled architecture feature.\n\
             pub const CPU_ENGINES: &[CompiledEngine<Arc<Archive>>] = &[\n";
-    for (f, family, _) in feats {
-        let m = module_name(f);
+    for e in feats {
+        let (f, family, m) = (&e.name, e.family, module_name(&e.name));
         lib += &format!(
             "    #[cfg(feature = \"{f}\")]\n    CompiledEngine {{\n        arch: {m}::ARCH,\n        family: Family::{family:?},\n        \
-             fingerprint: {m}::SHAPE_FINGERPRINT,\n        open: |a| Ok(Box::new({m}::Engine::new(a)?)),\n    }},\n"
+             fingerprint: {m}::SHAPE_FINGERPRINT,\n        math: {c},\n        open: |a| Ok(Box::new({m}::Engine::new(a)?)),\n    }},\n",
+            c = const_name(f, "MATH")
         );
     }
     lib += "];\n";
     lib += "\n/// The CPU engine for `archive`: the compiled-in engine whose shape fingerprint equals the\n\
-            /// archive's. The engine holds the archive (its weights are views into the mmap).\n\
+            /// archive's and whose math constants are the archive's. The engine holds the archive (its\n\
+            /// weights are views into the mmap).\n\
             pub fn open_cpu(archive: Arc<Archive>) -> Result<Box<dyn Engine + Send>, OpenError> {\n    \
             let e = thin_core::engine::select_engine(archive.manifest(), KNOWN_ARCHS, CPU_ENGINES)?;\n    \
             Ok((e.open)(archive)?)\n}\n";
     lib += "\n/// The description whose shapes have this fingerprint, if codegen knows one.\n\
             pub fn arch_name(fingerprint: &str) -> Option<&'static str> {\n    \
             KNOWN_ARCHS.iter().find(|k| k.fingerprint == fingerprint).map(|k| k.name)\n}\n";
-    lib += "\n/// The CUDA view of the compiled-in engine whose shape fingerprint the archive has (`None`: not built into this binary).\n";
+    lib += "\n/// The CUDA view of the compiled-in engine whose shape fingerprint the archive has (`None`: not built into this binary).\n\
+            /// Callers check the math constants first with `thin_core::engine::check_known_math(manifest, KNOWN_ARCHS)`.\n";
     lib += "#[allow(unused_variables)]\npub fn cuda_arch(shape_fingerprint: &str) -> Option<Result<thin_core::cuda::plan::CudaArch, thin_core::cuda::plan::PlanError>> {\n";
-    for (f, _, _) in feats {
-        lib += &format!("    #[cfg(feature = \"{f}\")]\n    if shape_fingerprint == {m}::SHAPE_FINGERPRINT {{\n        return Some({m}::cuda::arch());\n    }}\n", m = module_name(f));
+    for e in feats {
+        lib += &format!("    #[cfg(feature = \"{f}\")]\n    if shape_fingerprint == {m}::SHAPE_FINGERPRINT {{\n        return Some({m}::cuda::arch());\n    }}\n", f = e.name, m = module_name(&e.name));
     }
     lib += "    None\n}\n";
-    lib
+    // The header hashes the body it heads, so any change to the data restamps it.
+    format!("// @generated by thin-codegen from archs/*.toml, inputs blake3 {}\n", inputs_hash([lib.as_str()].into_iter().chain(LIB_INPUTS))) + &lib
 }
 
 /// Write the files whose contents differ (an unchanged file keeps its mtime, so cargo does not

@@ -36,7 +36,9 @@ fn broken_description_reports_every_error() {
         .replace("head_dim = 64", "head_dim = 63")
         .replace("eps = 1e-5", "eps = -1.0")
         .replace("hidden_act = \"silu\"", "hidden_act = \"relu\"")
-        .replace("ffn_down = {", "ffn_bogus = {");
+        .replace("ffn_down = {", "ffn_bogus = {")
+        .replace("blk.{l}.ffn_up.weight", "blk.{x}.ffn_up.weight")
+        .replace("gguf = \"output.weight\"", "gguf = \"output.{e}.weight\"");
     let d = thin_codegen::parse("broken.toml", &text).unwrap();
     let err = thin_codegen::validate("broken.toml", &d).unwrap_err().to_string();
     for want in [
@@ -46,6 +48,9 @@ fn broken_description_reports_every_error() {
         "mlp.hidden_act: \"relu\"",
         "tensors.ffn_bogus: unknown role",
         "tensors.ffn_down: missing",
+        "tensors.ffn_up.gguf: per-layer pattern lacks {l}",
+        "tensors.ffn_up.gguf: unknown placeholder {x}",
+        "tensors.lm_head.gguf: {e} is only for the hf names of moe_gate, moe_up, moe_down",
     ] {
         assert!(err.contains(want), "missing {want:?} in:\n{err}");
     }
@@ -88,4 +93,64 @@ fn add_an_arch() {
     assert_eq!(plan.layers.len(), 3);
     syn::parse_file(&src).unwrap();
     assert!(src.contains("fn layer_2"));
+}
+
+/// Every role a description names resolves back to itself through its family's table (built from
+/// the generated KNOWN_ARCHS, as `thin convert` does), with the layer and, for HF's per-expert
+/// names, the expert.
+#[test]
+fn every_role_of_every_description_resolves() {
+    use thin_core::names::{NameMatch, NameTable};
+    use thin_core::role::Role;
+    use thin_core::source::SourceKind;
+    assert_eq!(thin_generated::KNOWN_ARCHS.len(), thin_codegen::descriptions(&root()).unwrap().len());
+    for k in thin_generated::KNOWN_ARCHS {
+        let table = NameTable::for_family(thin_generated::KNOWN_ARCHS, k.family).unwrap();
+        assert_eq!(table.names, k.tensors, "{}: the family table is every description's", k.name);
+        assert!(k.tensors.roles.iter().any(|r| r.role == Role::LmHead), "{}: lm_head is named", k.name);
+        for r in k.tensors.roles {
+            for (kind, pattern) in [(SourceKind::Safetensors, r.hf), (SourceKind::Gguf, r.gguf)] {
+                let name = pattern.replace("{l}", "17").replace("{e}", "5");
+                let NameMatch::Tensor { role, layer, expert } = table.resolve(kind, &name).unwrap() else {
+                    panic!("{}: {name} ignored", k.name)
+                };
+                assert_eq!(role, r.role, "{name}");
+                assert_eq!(layer, role.is_per_layer().then_some(17), "{name}");
+                let per_expert = kind == SourceKind::Safetensors && matches!(role, Role::MoeGate | Role::MoeUp | Role::MoeDown);
+                assert_eq!(expert, per_expert.then_some(5), "{name}");
+            }
+        }
+        // What names.rs's hand tables used to ignore, the descriptions ignore now.
+        assert_eq!(table.resolve(SourceKind::Safetensors, "model.layers.3.self_attn.rotary_emb.inv_freq"), Ok(NameMatch::Ignored));
+        assert_eq!(table.resolve(SourceKind::Gguf, "rope_freqs.weight"), Ok(NameMatch::Ignored));
+    }
+    let gemma = NameTable::for_family(thin_generated::KNOWN_ARCHS, thin_core::arch::Family::Gemma3).unwrap();
+    assert_eq!(
+        gemma.resolve(SourceKind::Safetensors, "language_model.model.layers.2.self_attn.q_norm.weight"),
+        Ok(NameMatch::Tensor { role: Role::AttnQNorm, layer: Some(2), expert: None })
+    );
+    assert_eq!(
+        gemma.resolve(SourceKind::Safetensors, "vision_tower.vision_model.embeddings.patch_embedding.weight"),
+        Ok(NameMatch::Ignored)
+    );
+}
+
+/// Two descriptions of one family that name a role differently are refused, naming the role.
+#[test]
+fn a_family_shares_one_name_table() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("archs/tiny")).unwrap();
+    for rel in thin_codegen::descriptions(&root()).unwrap() {
+        let mut text = std::fs::read_to_string(root().join(&rel)).unwrap();
+        if rel.ends_with("llama-tiny.toml") {
+            text = text.replace("blk.{l}.attn_k.weight", "blk.{l}.attn_key.weight");
+        }
+        std::fs::write(dir.path().join(&rel), text).unwrap();
+    }
+    let err = thin_codegen::generate_all(dir.path()).unwrap_err().to_string();
+    assert!(
+        err.contains("archs/tiny/llama-tiny.toml: [tensors] differs from archs/llama3.2-1b.toml's on tensors.attn_k.gguf")
+            && err.contains("family llama"),
+        "{err}"
+    );
 }

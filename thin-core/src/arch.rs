@@ -159,6 +159,21 @@ impl ArchConfig {
         !self.no_rope_layers.contains(&l)
     }
 
+    /// Factor on the token embedding. Not a field of the manifest: every Gemma 3 source (HF's
+    /// `Gemma3TextScaledWordEmbedding`, llama.cpp's gemma3 graph) scales by `sqrt(hidden)`, and no
+    /// other family scales, so the family decides it.
+    pub fn embedding_scale(&self) -> f64 {
+        match self.family {
+            Family::Gemma3 => (self.hidden_size as f64).sqrt(),
+            Family::Llama | Family::Smollm3 | Family::Olmoe => 1.0,
+        }
+    }
+
+    /// Factor on the attention logits: `query_pre_attn_scalar^-0.5`, else `head_dim^-0.5`.
+    pub fn attention_scale(&self) -> f64 {
+        1.0 / self.query_pre_attn_scalar.unwrap_or(self.head_dim as f64).sqrt()
+    }
+
     pub fn layer_attention(&self, l: u64) -> LayerAttention {
         self.layer_attention.get(l as usize).copied().unwrap_or(LayerAttention::Full)
     }

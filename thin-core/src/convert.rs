@@ -15,7 +15,8 @@ use crate::dtype::{DType, SourceDType};
 use crate::format::{ArchiveWriter, FormatError};
 use crate::gguf::{GgufError, GgufFile};
 use crate::manifest::{BackendHints, Manifest, SourceInfo, TensorEntry, Validation, MANIFEST_FORMAT};
-use crate::names::{self, NameError, NameMatch};
+use crate::engine::KnownArch;
+use crate::names::{NameError, NameMatch, NameTable};
 use crate::quant::{plan_quantization, PlanInput, Profile, QuantMethod, QuantizationDescriptor};
 use crate::role::Role;
 use crate::safetensors_dir::{HfDir, SafetensorsError};
@@ -32,6 +33,9 @@ const CHUNK_ELEMS: u64 = 1 << 16;
 pub struct ConvertOptions {
     pub profile: Profile,
     pub progress: bool,
+    /// Every description codegen knows (`thin_generated::KNOWN_ARCHS`): the source's tensor names
+    /// are resolved with the `[tensors]` table of its family's descriptions.
+    pub archs: &'static [KnownArch],
 }
 
 #[derive(Debug, Clone)]
@@ -176,14 +180,14 @@ fn order_key(role: Role, layer: Option<u32>) -> (u64, Role) {
 /// A layer's experts of one role (HF OLMoE stores one tensor per expert): layer, expert -> tensor.
 type ExpertSlot<'s, 'a> = (Option<u32>, BTreeMap<u32, &'s SourceTensor<'a>>);
 
-fn build_jobs<'s, 'a>(model: &'s SourceModel<'a>) -> Result<Vec<Job<'s, 'a>>, ConvertError> {
+fn build_jobs<'s, 'a>(model: &'s SourceModel<'a>, names: &NameTable) -> Result<Vec<Job<'s, 'a>>, ConvertError> {
     let arch = &model.arch;
     let family = arch.family;
     let mut singles: BTreeMap<(u64, Role), Job<'s, 'a>> = BTreeMap::new();
     // (key) -> expert -> tensor, for HF OLMoE's one-tensor-per-expert layout.
     let mut experts: BTreeMap<(u64, Role), ExpertSlot<'s, 'a>> = BTreeMap::new();
     for t in &model.tensors {
-        let NameMatch::Tensor { role, layer, expert } = names::resolve(family, model.kind, &t.name)? else {
+        let NameMatch::Tensor { role, layer, expert } = names.resolve(model.kind, &t.name)? else {
             continue;
         };
         if let Some(l) = layer {
@@ -261,16 +265,17 @@ fn build_jobs<'s, 'a>(model: &'s SourceModel<'a>) -> Result<Vec<Job<'s, 'a>>, Co
         }
     }
     // Completeness and shapes, before anything is written.
-    let roles = names::family_roles(family);
+    // The description lists every role of the family; the LM head is read only when untied.
+    let roles: Vec<Role> = names.roles().filter(|r| *r != Role::LmHead || !arch.tie_word_embeddings).collect();
     let mut required: Vec<(Role, Option<u32>)> =
-        roles.global.iter().filter(|r| **r != Role::LmHead || !arch.tie_word_embeddings).map(|r| (*r, None)).collect();
+        roles.iter().filter(|r| !r.is_per_layer()).map(|r| (*r, None)).collect();
     for l in 0..arch.num_layers {
         let l = u32::try_from(l).map_err(|_| ConvertError::LayerOutOfRange {
             tensor: String::new(),
             layer: u32::MAX,
             num_layers: arch.num_layers,
         })?;
-        required.extend(roles.per_layer.iter().map(|r| (*r, Some(l))));
+        required.extend(roles.iter().filter(|r| r.is_per_layer()).map(|r| (*r, Some(l))));
     }
     for (role, layer) in required {
         if !singles.contains_key(&order_key(role, layer)) {
@@ -407,7 +412,8 @@ pub fn convert_model(
     opts: &ConvertOptions,
     start: Instant,
 ) -> Result<ConvertReport, ConvertError> {
-    let jobs = build_jobs(model)?;
+    let names = NameTable::for_family(opts.archs, model.arch.family)?;
+    let jobs = build_jobs(model, &names)?;
     let inputs: Vec<PlanInput<'_>> = jobs
         .iter()
         .map(|j| PlanInput { name: &j.canonical, role: j.role, layer: j.layer, source_dtype: j.source_dtype })
@@ -580,6 +586,35 @@ mod tests {
         }
     }
 
+    /// archs/olmoe-tiny.toml's `[tensors]` (thin-core's unit tests cannot reach thin_generated).
+    fn olmoe_names() -> NameTable {
+        use crate::names::{RoleNames, TensorNames};
+        const fn r(role: Role, hf: &'static str, gguf: &'static str) -> RoleNames {
+            RoleNames { role, hf, gguf }
+        }
+        const ROLES: &[RoleNames] = &[
+            r(Role::TokenEmbd, "model.embed_tokens.weight", "token_embd.weight"),
+            r(Role::OutputNorm, "model.norm.weight", "output_norm.weight"),
+            r(Role::LmHead, "lm_head.weight", "output.weight"),
+            r(Role::AttnNorm, "model.layers.{l}.input_layernorm.weight", "blk.{l}.attn_norm.weight"),
+            r(Role::AttnQ, "model.layers.{l}.self_attn.q_proj.weight", "blk.{l}.attn_q.weight"),
+            r(Role::AttnK, "model.layers.{l}.self_attn.k_proj.weight", "blk.{l}.attn_k.weight"),
+            r(Role::AttnV, "model.layers.{l}.self_attn.v_proj.weight", "blk.{l}.attn_v.weight"),
+            r(Role::AttnO, "model.layers.{l}.self_attn.o_proj.weight", "blk.{l}.attn_output.weight"),
+            r(Role::AttnQNorm, "model.layers.{l}.self_attn.q_norm.weight", "blk.{l}.attn_q_norm.weight"),
+            r(Role::AttnKNorm, "model.layers.{l}.self_attn.k_norm.weight", "blk.{l}.attn_k_norm.weight"),
+            r(Role::FfnNorm, "model.layers.{l}.post_attention_layernorm.weight", "blk.{l}.ffn_norm.weight"),
+            r(Role::MoeRouter, "model.layers.{l}.mlp.gate.weight", "blk.{l}.ffn_gate_inp.weight"),
+            r(Role::MoeGate, "model.layers.{l}.mlp.experts.{e}.gate_proj.weight", "blk.{l}.ffn_gate_exps.weight"),
+            r(Role::MoeUp, "model.layers.{l}.mlp.experts.{e}.up_proj.weight", "blk.{l}.ffn_up_exps.weight"),
+            r(Role::MoeDown, "model.layers.{l}.mlp.experts.{e}.down_proj.weight", "blk.{l}.ffn_down_exps.weight"),
+        ];
+        NameTable {
+            family: Family::Olmoe,
+            names: TensorNames { roles: ROLES, hf_ignore: &[], gguf_ignore: &[], hf_ignore_prefixes: &[], hf_prefix_aliases: &[] },
+        }
+    }
+
     fn tensor(name: &str, shape: &[u64]) -> SourceTensor<'static> {
         SourceTensor { name: name.into(), shape: shape.to_vec(), dtype: SourceDType::Bf16, bytes: &[] }
     }
@@ -625,7 +660,8 @@ mod tests {
             details: BTreeMap::new(),
             source_config: serde_json::Value::Null,
         };
-        let jobs = build_jobs(&model).expect("jobs");
+        let names = olmoe_names();
+        let jobs = build_jobs(&model, &names).expect("jobs");
         assert_eq!(jobs[0].role, Role::TokenEmbd);
         assert_eq!(jobs.last().map(|j| j.role), Some(Role::LmHead));
         let gate = jobs.iter().find(|j| j.role == Role::MoeGate).expect("moe gate");
@@ -635,13 +671,13 @@ mod tests {
 
         let mut missing = model.clone();
         missing.tensors.retain(|t| t.name != "model.layers.0.mlp.experts.1.up_proj.weight");
-        assert!(matches!(build_jobs(&missing), Err(ConvertError::MissingExperts { .. })));
+        assert!(matches!(build_jobs(&missing, &names), Err(ConvertError::MissingExperts { .. })));
         let mut bad = model.clone();
         bad.tensors.retain(|t| t.name != "model.layers.0.self_attn.k_norm.weight");
-        assert!(matches!(build_jobs(&bad), Err(ConvertError::MissingTensor { .. })));
+        assert!(matches!(build_jobs(&bad, &names), Err(ConvertError::MissingTensor { .. })));
         let mut wrong = model;
         wrong.tensors[1].shape = vec![15];
-        let e = build_jobs(&wrong).unwrap_err();
+        let e = build_jobs(&wrong, &names).unwrap_err();
         assert!(e.to_string().contains("model.norm.weight"), "{e}");
     }
 }

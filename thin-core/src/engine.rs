@@ -159,13 +159,17 @@ impl<T: Weights + ?Sized> Weights for std::sync::Arc<T> {
 // Opening: which compiled-in engine fits an archive.
 
 /// One architecture description thin-codegen knows, compiled into this binary or not.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KnownArch {
     /// The description's file stem, which is also its cargo feature (`smollm2-135m`).
     pub name: &'static str,
     pub family: crate::arch::Family,
     /// `ShapeDims::fingerprint()` of the description's dims.
     pub fingerprint: &'static str,
+    /// The constants the description's engine is compiled with.
+    pub math: MathConstants,
+    /// The description's `[tensors]`: how importers name the family's tensors.
+    pub tensors: crate::names::TensorNames,
 }
 
 /// An engine compiled into this binary, and how to build it over weights of type `W`.
@@ -173,8 +177,119 @@ pub struct CompiledEngine<W> {
     pub arch: &'static str,
     pub family: crate::arch::Family,
     pub fingerprint: &'static str,
+    /// The constants baked into the engine; an archive that records others is refused at open.
+    pub math: MathConstants,
     /// Bind the engine's weights (a missing or misshapen tensor is an error here, not mid-token).
     pub open: fn(W) -> Result<Box<dyn Engine + Send>, EngineError>,
+}
+
+/// Llama 3 RoPE frequency scaling as a description states it (static twin of
+/// [`crate::arch::RopeScaling`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeScalingConstants {
+    pub rope_type: &'static str,
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_max_position_embeddings: u64,
+}
+
+/// The math constants a generated engine bakes in. The shape fingerprint does not cover them, so
+/// two models with equal shapes but another RoPE base (say) would otherwise run on the wrong engine
+/// and produce plausible garbage; [`MathConstants::mismatches`] compares them with the manifest.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MathConstants {
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    /// RoPE base of sliding-window layers, where it differs.
+    pub rope_local_theta: Option<f64>,
+    pub rope_scaling: Option<RopeScalingConstants>,
+    /// Layers that apply no RoPE, ascending.
+    pub no_rope_layers: &'static [u64],
+    pub attn_logit_softcap: Option<f64>,
+    pub final_logit_softcap: Option<f64>,
+    pub sliding_window: Option<u64>,
+    /// Factor on the token embedding (1 or `sqrt(hidden)`).
+    pub embedding_scale: f64,
+    /// Factor on the attention logits (`head_dim^-0.5` or `query_pre_attn_scalar^-0.5`).
+    pub attention_scale: f64,
+}
+
+/// One constant that differs between an archive and an engine, both sides rendered for the message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MathMismatch {
+    pub constant: &'static str,
+    pub archive: String,
+    pub engine: String,
+}
+
+impl std::fmt::Display for MathMismatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: the archive has {}, the engine {}", self.constant, self.archive, self.engine)
+    }
+}
+
+/// Relative tolerance of float constants. Manifests record what the source wrote: GGUF metadata
+/// holds f32 (1e-5 arrives as 9.99999974738e-6), config.json holds decimal text, descriptions f64;
+/// an f32 round trip is off by at most 2^-24 (6e-8) relative, so 1e-6 accepts every rounding of
+/// the same constant and refuses any real difference (the closest real ones differ by percents).
+pub const MATH_REL_TOLERANCE: f64 = 1e-6;
+
+fn close(a: f64, b: f64) -> bool {
+    a == b || (a - b).abs() <= MATH_REL_TOLERANCE * a.abs().max(b.abs())
+}
+
+fn show_f(v: Option<f64>) -> String {
+    v.map_or_else(|| "none".to_string(), |x| x.to_string())
+}
+
+fn show_u(v: Option<u64>) -> String {
+    v.map_or_else(|| "none".to_string(), |x| x.to_string())
+}
+
+impl MathConstants {
+    /// Every constant on which `arch` (a manifest's record) and this engine differ, in a fixed order.
+    pub fn mismatches(&self, arch: &crate::arch::ArchConfig) -> Vec<MathMismatch> {
+        let mut out = Vec::new();
+        let mut float = |constant: &'static str, archive: Option<f64>, engine: Option<f64>| {
+            let same = match (archive, engine) {
+                (Some(a), Some(e)) => close(a, e),
+                (None, None) => true,
+                _ => false,
+            };
+            if !same {
+                out.push(MathMismatch { constant, archive: show_f(archive), engine: show_f(engine) });
+            }
+        };
+        float("rms norm eps", Some(arch.rms_norm_eps), Some(self.rms_norm_eps));
+        float("rope theta", Some(arch.rope.theta), Some(self.rope_theta));
+        float("rope local theta", arch.rope.local_theta, self.rope_local_theta);
+        // An archive that records no RoPE scaling is not compared on it: llama.cpp's GGUF files of
+        // Llama 3 models carry the llama3 frequency factors as a `rope_freqs` tensor, not as
+        // metadata, so "none" there means "not recorded" (HF configs always record it).
+        let (a, e) = (arch.rope.scaling.as_ref(), self.rope_scaling.as_ref().filter(|_| arch.rope.scaling.is_some()));
+        float("rope scaling factor", a.map(|s| s.factor), e.map(|s| s.factor));
+        float("rope scaling low_freq_factor", a.map(|s| s.low_freq_factor), e.map(|s| s.low_freq_factor));
+        float("rope scaling high_freq_factor", a.map(|s| s.high_freq_factor), e.map(|s| s.high_freq_factor));
+        float("attention logit softcap", arch.attn_logit_softcap, self.attn_logit_softcap);
+        float("final logit softcap", arch.final_logit_softcap, self.final_logit_softcap);
+        float("embedding scale", Some(arch.embedding_scale()), Some(self.embedding_scale));
+        float("attention scale", Some(arch.attention_scale()), Some(self.attention_scale));
+        let mut exact = |constant: &'static str, archive: String, engine: String| {
+            if archive != engine {
+                out.push(MathMismatch { constant, archive, engine });
+            }
+        };
+        exact("rope scaling type", a.map_or("none".into(), |s| s.rope_type.clone()), e.map_or("none".into(), |s| s.rope_type.to_string()));
+        exact(
+            "rope scaling original_max_position_embeddings",
+            show_u(a.map(|s| s.original_max_position_embeddings)),
+            show_u(e.map(|s| s.original_max_position_embeddings)),
+        );
+        exact("layers without rope", format!("{:?}", arch.no_rope_layers), format!("{:?}", self.no_rope_layers));
+        exact("sliding window", show_u(arch.sliding_window), show_u(self.sliding_window));
+        out
+    }
 }
 
 /// Why no compiled-in engine fits an archive. Every variant names what the archive is and what
@@ -206,6 +321,23 @@ pub enum OpenError {
     InconsistentFingerprint { recorded: String, computed: String },
     #[error("binding the archive's weights: {0}")]
     Weights(#[from] EngineError),
+    #[error(
+        "the archive has the shapes of {arch}, but its math constants differ from that engine's: {}; \
+         convert the model again or describe it in archs/ (see archs/README.md)",
+        mismatches.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+    )]
+    MathConstants { arch: &'static str, mismatches: Vec<MathMismatch> },
+}
+
+/// For backends that pick their engine by fingerprint alone (the CUDA path through
+/// `thin_generated::cuda_arch`): refuse an archive whose math constants differ from every known
+/// description with its shapes. Shapes no description has pass here; selection reports those.
+pub fn check_known_math(manifest: &crate::manifest::Manifest, known: &[KnownArch]) -> Result<(), OpenError> {
+    let fits: Vec<&KnownArch> = known.iter().filter(|k| k.fingerprint == manifest.shape_fingerprint).collect();
+    if fits.is_empty() || fits.iter().any(|k| k.math.mismatches(&manifest.arch).is_empty()) {
+        return Ok(());
+    }
+    Err(OpenError::MathConstants { arch: fits[0].name, mismatches: fits[0].math.mismatches(&manifest.arch) })
 }
 
 fn list_engines<W>(engines: &[&CompiledEngine<W>]) -> String {
@@ -225,8 +357,13 @@ pub fn select_engine<'e, W>(
     if fp != manifest.shape_fingerprint {
         return Err(OpenError::InconsistentFingerprint { recorded: manifest.shape_fingerprint.clone(), computed: fp });
     }
-    if let Some(e) = compiled.iter().find(|e| e.fingerprint == fp) {
+    // Equal shapes are not enough: the engine's baked-in constants must be the archive's too.
+    let fits: Vec<&CompiledEngine<W>> = compiled.iter().filter(|e| e.fingerprint == fp).collect();
+    if let Some(e) = fits.iter().find(|e| e.math.mismatches(&manifest.arch).is_empty()) {
         return Ok(e);
+    }
+    if let Some(e) = fits.first() {
+        return Err(OpenError::MathConstants { arch: e.arch, mismatches: e.math.mismatches(&manifest.arch) });
     }
     let known_arch = known.iter().find(|k| k.fingerprint == fp);
     let family = dims.family.name();
@@ -259,13 +396,40 @@ pub fn select_engine<'e, W>(
 mod tests {
     use super::*;
     use crate::arch::Family;
+    use crate::arch::ArchConfig;
     use crate::format::testkit::{tiny_arch, tiny_manifest};
+
+    /// The constants of [`tiny_arch`]: a Llama without scaling, eps 1e-5, theta 10000, head_dim 8.
+    const TINY_MATH: MathConstants = MathConstants {
+        rms_norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_local_theta: None,
+        rope_scaling: None,
+        no_rope_layers: &[],
+        attn_logit_softcap: None,
+        final_logit_softcap: None,
+        sliding_window: None,
+        embedding_scale: 1.0,
+        attention_scale: 0.353_553_390_593_273_8, // 8^-0.5
+    };
+
+    const NO_NAMES: crate::names::TensorNames = crate::names::TensorNames {
+        roles: &[],
+        hf_ignore: &[],
+        gguf_ignore: &[],
+        hf_ignore_prefixes: &[],
+        hf_prefix_aliases: &[],
+    };
 
     fn engine(arch: &'static str, family: Family, fingerprint: &'static str) -> CompiledEngine<()> {
         fn open(_: ()) -> Result<Box<dyn Engine + Send>, EngineError> {
             unreachable!("selection never opens")
         }
-        CompiledEngine { arch, family, fingerprint, open }
+        CompiledEngine { arch, family, fingerprint, math: TINY_MATH, open }
+    }
+
+    fn known(name: &'static str, fingerprint: &'static str) -> KnownArch {
+        KnownArch { name, family: Family::Llama, fingerprint, math: TINY_MATH, tensors: NO_NAMES }
     }
 
     fn leak(s: String) -> &'static str {
@@ -278,8 +442,8 @@ mod tests {
         let fp = leak(m.shape_fingerprint.clone());
         let other = leak(tiny_manifest(tiny_arch(3, true)).shape_fingerprint);
         let known = [
-            KnownArch { name: "tiny-2", family: Family::Llama, fingerprint: fp },
-            KnownArch { name: "tiny-3", family: Family::Llama, fingerprint: other },
+            known("tiny-2", fp),
+            known("tiny-3", other),
         ];
 
         let fits = [engine("tiny-3", Family::Llama, other), engine("tiny-2", Family::Llama, fp)];
@@ -301,5 +465,124 @@ mod tests {
         let mut bad = m.clone();
         bad.shape_fingerprint = other.to_string();
         assert!(matches!(select_engine(&bad, &known, &fits), Err(OpenError::InconsistentFingerprint { .. })));
+    }
+
+    /// One mutation of the manifest per constant: the constant's name in the message, and the
+    /// archive's value before the engine's.
+    fn math_mutations() -> Vec<(&'static str, &'static str, Box<dyn Fn(&mut ArchConfig)>)> {
+        use crate::arch::RopeScaling;
+        vec![
+            ("rms norm eps", "the archive has 0.000001, the engine 0.00001", Box::new(|a| a.rms_norm_eps = 1e-6)),
+            ("rope theta", "the archive has 100000, the engine 10000", Box::new(|a| a.rope.theta = 100000.0)),
+            ("rope local theta", "the archive has 10000, the engine none", Box::new(|a| a.rope.local_theta = Some(10000.0))),
+            (
+                "rope scaling factor",
+                "the archive has 8, the engine none",
+                Box::new(|a| {
+                    a.rope.scaling = Some(RopeScaling {
+                        rope_type: "llama3".into(),
+                        factor: 8.0,
+                        low_freq_factor: 1.0,
+                        high_freq_factor: 4.0,
+                        original_max_position_embeddings: 8192,
+                    })
+                }),
+            ),
+            ("layers without rope", "the archive has [1], the engine []", Box::new(|a| a.no_rope_layers = vec![1])),
+            ("attention logit softcap", "the archive has 50, the engine none", Box::new(|a| a.attn_logit_softcap = Some(50.0))),
+            ("final logit softcap", "the archive has 30, the engine none", Box::new(|a| a.final_logit_softcap = Some(30.0))),
+            ("sliding window", "the archive has 512, the engine none", Box::new(|a| a.sliding_window = Some(512))),
+            ("attention scale", "the archive has 0.25, the engine 0.3535533905932738", Box::new(|a| a.query_pre_attn_scalar = Some(16.0))),
+        ]
+    }
+
+    #[test]
+    fn every_math_constant_is_checked_at_open() {
+        let m = tiny_manifest(tiny_arch(2, true));
+        let fp = leak(m.shape_fingerprint.clone());
+        let fits = [engine("tiny-2", Family::Llama, fp)];
+        let known = [known("tiny-2", fp)];
+        assert_eq!(select_engine(&m, &known, &fits).map(|e| e.arch).ok(), Some("tiny-2"));
+        assert!(check_known_math(&m, &known).is_ok());
+        for (constant, values, mutate) in math_mutations() {
+            let mut bad = m.clone();
+            mutate(&mut bad.arch);
+            assert_eq!(bad.shape_fingerprint, bad.arch.shape_fingerprint(), "{constant}: math is not shape");
+            let e = select_engine(&bad, &known, &fits).err().unwrap_or_else(|| panic!("{constant} not refused"));
+            let OpenError::MathConstants { arch, mismatches } = &e else { panic!("{constant}: {e}") };
+            assert_eq!(*arch, "tiny-2");
+            assert_eq!(mismatches[0].constant, constant, "{e}");
+            let msg = e.to_string();
+            assert!(msg.contains(&format!("{constant}: {values}")), "{msg}");
+            assert!(check_known_math(&bad, &known).is_err(), "{constant}: the CUDA-path check refuses it too");
+        }
+        // Each scaling field alone.
+        let scaled = |f: &dyn Fn(&mut crate::arch::RopeScaling)| {
+            let mut s = crate::arch::RopeScaling {
+                rope_type: "llama3".into(),
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192,
+            };
+            f(&mut s);
+            s
+        };
+        let mut engine_math = TINY_MATH;
+        engine_math.rope_scaling = Some(RopeScalingConstants {
+            rope_type: "llama3",
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        });
+        for (constant, f) in [
+            ("rope scaling factor", Box::new(|s: &mut crate::arch::RopeScaling| s.factor = 32.0) as Box<dyn Fn(&mut _)>),
+            ("rope scaling low_freq_factor", Box::new(|s: &mut crate::arch::RopeScaling| s.low_freq_factor = 2.0)),
+            ("rope scaling high_freq_factor", Box::new(|s: &mut crate::arch::RopeScaling| s.high_freq_factor = 8.0)),
+            ("rope scaling type", Box::new(|s: &mut crate::arch::RopeScaling| s.rope_type = "linear".into())),
+            ("rope scaling original_max_position_embeddings", Box::new(|s: &mut crate::arch::RopeScaling| s.original_max_position_embeddings = 4096)),
+        ] {
+            let mut a = tiny_arch(2, true);
+            a.rope.scaling = Some(scaled(&|_| {}));
+            assert!(engine_math.mismatches(&a).is_empty());
+            a.rope.scaling = Some(scaled(&*f));
+            let got = engine_math.mismatches(&a);
+            assert_eq!(got.iter().map(|m| m.constant).collect::<Vec<_>>(), vec![constant]);
+        }
+        // An archive with no scaling recorded (a GGUF of Llama 3 carries it as a rope_freqs
+        // tensor) is not refused by an engine that scales.
+        let mut a = tiny_arch(2, true);
+        a.rope.scaling = None;
+        assert!(engine_math.mismatches(&a).is_empty(), "{:?}", engine_math.mismatches(&a));
+        // Embedding scale follows the family: a Gemma manifest against a Llama-constant engine.
+        let mut g = tiny_arch(2, true);
+        g.family = Family::Gemma3;
+        let got = TINY_MATH.mismatches(&g);
+        assert_eq!(got.iter().map(|m| m.constant).collect::<Vec<_>>(), vec!["embedding scale"]);
+        assert_eq!(got[0].to_string(), "embedding scale: the archive has 4, the engine 1");
+    }
+
+    #[test]
+    fn float_constants_survive_an_f32_round_trip() {
+        let mut a = tiny_arch(2, true);
+        // GGUF stores f32: these are what a manifest converted from GGUF records.
+        a.rms_norm_eps = f64::from(1e-5f32);
+        a.rope.theta = f64::from(10000.0f32);
+        assert!(TINY_MATH.mismatches(&a).is_empty());
+        a.rms_norm_eps = 1e-5 * (1.0 + 2e-6);
+        assert_eq!(TINY_MATH.mismatches(&a).len(), 1, "2e-6 relative is past the tolerance");
+    }
+
+    #[test]
+    fn an_engine_with_matching_math_wins_among_equal_shapes() {
+        let m = tiny_manifest(tiny_arch(2, true));
+        let fp = leak(m.shape_fingerprint.clone());
+        let mut other = engine("tiny-2-theta", Family::Llama, fp);
+        other.math.rope_theta = 500000.0;
+        let fits = [other, engine("tiny-2", Family::Llama, fp)];
+        assert_eq!(select_engine(&m, &[], &fits).map(|e| e.arch).ok(), Some("tiny-2"));
+        let e = select_engine(&m, &[], &fits[..1]).err().expect("theta differs").to_string();
+        assert!(e.contains("tiny-2-theta") && e.contains("rope theta: the archive has 10000, the engine 500000"), "{e}");
     }
 }

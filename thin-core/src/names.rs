@@ -1,9 +1,12 @@
-//! Name tables: Hugging Face and GGUF tensor names of every role, per family. Data, not code.
+//! Tensor-name resolution: Hugging Face and GGUF tensor names to roles. The names themselves are
+//! data from the archs/ descriptions (`[tensors]`), exported by thin-codegen into
+//! `thin_generated::KNOWN_ARCHS` and passed in here; thin-core cannot depend on the generated crate.
 //!
-//! Patterns use `{L}` for the layer index and `{E}` for the expert index; both match a decimal
+//! Patterns use `{l}` for the layer index and `{e}` for the expert index; both match a decimal
 //! integer. One matcher ([`match_pattern`]) serves every table, like llama.cpp's `llama-arch.cpp`.
 
 use crate::arch::Family;
+use crate::engine::KnownArch;
 use crate::role::Role;
 use crate::source::SourceKind;
 
@@ -22,200 +25,137 @@ pub enum NameError {
     Unknown { name: String, family: &'static str, kind: &'static str },
     #[error("tensor `{name}`: index `{index}` in the name does not fit in u32")]
     BadIndex { name: String, index: String },
+    #[error("no description in archs/ is of family {family}, so its tensor names are unknown (known: {known})")]
+    NoDescription { family: &'static str, known: String },
+    #[error("the {family} descriptions {first} and {second} name {what} differently; a family has one name table")]
+    Disagree { family: &'static str, first: &'static str, second: &'static str, what: String },
 }
 
-type Table = &'static [(&'static str, Role)];
-
-const HF_LLAMA: Table = &[
-    ("model.embed_tokens.weight", Role::TokenEmbd),
-    ("model.norm.weight", Role::OutputNorm),
-    ("lm_head.weight", Role::LmHead),
-    ("model.layers.{L}.input_layernorm.weight", Role::AttnNorm),
-    ("model.layers.{L}.self_attn.q_proj.weight", Role::AttnQ),
-    ("model.layers.{L}.self_attn.k_proj.weight", Role::AttnK),
-    ("model.layers.{L}.self_attn.v_proj.weight", Role::AttnV),
-    ("model.layers.{L}.self_attn.o_proj.weight", Role::AttnO),
-    ("model.layers.{L}.post_attention_layernorm.weight", Role::FfnNorm),
-    ("model.layers.{L}.mlp.gate_proj.weight", Role::FfnGate),
-    ("model.layers.{L}.mlp.up_proj.weight", Role::FfnUp),
-    ("model.layers.{L}.mlp.down_proj.weight", Role::FfnDown),
-];
-
-const HF_GEMMA3: Table = &[
-    ("model.embed_tokens.weight", Role::TokenEmbd),
-    ("model.norm.weight", Role::OutputNorm),
-    ("lm_head.weight", Role::LmHead),
-    ("model.layers.{L}.input_layernorm.weight", Role::AttnNorm),
-    ("model.layers.{L}.self_attn.q_proj.weight", Role::AttnQ),
-    ("model.layers.{L}.self_attn.k_proj.weight", Role::AttnK),
-    ("model.layers.{L}.self_attn.v_proj.weight", Role::AttnV),
-    ("model.layers.{L}.self_attn.o_proj.weight", Role::AttnO),
-    ("model.layers.{L}.self_attn.q_norm.weight", Role::AttnQNorm),
-    ("model.layers.{L}.self_attn.k_norm.weight", Role::AttnKNorm),
-    ("model.layers.{L}.post_attention_layernorm.weight", Role::AttnPostNorm),
-    ("model.layers.{L}.pre_feedforward_layernorm.weight", Role::FfnNorm),
-    ("model.layers.{L}.post_feedforward_layernorm.weight", Role::FfnPostNorm),
-    ("model.layers.{L}.mlp.gate_proj.weight", Role::FfnGate),
-    ("model.layers.{L}.mlp.up_proj.weight", Role::FfnUp),
-    ("model.layers.{L}.mlp.down_proj.weight", Role::FfnDown),
-];
-
-const HF_OLMOE: Table = &[
-    ("model.embed_tokens.weight", Role::TokenEmbd),
-    ("model.norm.weight", Role::OutputNorm),
-    ("lm_head.weight", Role::LmHead),
-    ("model.layers.{L}.input_layernorm.weight", Role::AttnNorm),
-    ("model.layers.{L}.self_attn.q_proj.weight", Role::AttnQ),
-    ("model.layers.{L}.self_attn.k_proj.weight", Role::AttnK),
-    ("model.layers.{L}.self_attn.v_proj.weight", Role::AttnV),
-    ("model.layers.{L}.self_attn.o_proj.weight", Role::AttnO),
-    ("model.layers.{L}.self_attn.q_norm.weight", Role::AttnQNorm),
-    ("model.layers.{L}.self_attn.k_norm.weight", Role::AttnKNorm),
-    ("model.layers.{L}.post_attention_layernorm.weight", Role::FfnNorm),
-    ("model.layers.{L}.mlp.gate.weight", Role::MoeRouter),
-    ("model.layers.{L}.mlp.experts.{E}.gate_proj.weight", Role::MoeGate),
-    ("model.layers.{L}.mlp.experts.{E}.up_proj.weight", Role::MoeUp),
-    ("model.layers.{L}.mlp.experts.{E}.down_proj.weight", Role::MoeDown),
-];
-
-/// HF names the engine never reads.
-const HF_IGNORED: &[&str] = &["model.layers.{L}.self_attn.rotary_emb.inv_freq"];
-
-/// Multimodal Gemma 3 checkpoints nest the text model; these prefixes map back to the text names.
-const HF_PREFIX_ALIASES: &[(&str, &str)] = &[
-    ("model.language_model.", "model."),
-    ("language_model.model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
-];
-
-/// Prefixes of a multimodal checkpoint's vision side, which a text engine does not read.
-const HF_IGNORED_PREFIXES: &[&str] =
-    &["vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector."];
-
-const GGUF_LLAMA: Table = &[
-    ("token_embd.weight", Role::TokenEmbd),
-    ("output_norm.weight", Role::OutputNorm),
-    ("output.weight", Role::LmHead),
-    ("blk.{L}.attn_norm.weight", Role::AttnNorm),
-    ("blk.{L}.attn_q.weight", Role::AttnQ),
-    ("blk.{L}.attn_k.weight", Role::AttnK),
-    ("blk.{L}.attn_v.weight", Role::AttnV),
-    ("blk.{L}.attn_output.weight", Role::AttnO),
-    ("blk.{L}.ffn_norm.weight", Role::FfnNorm),
-    ("blk.{L}.ffn_gate.weight", Role::FfnGate),
-    ("blk.{L}.ffn_up.weight", Role::FfnUp),
-    ("blk.{L}.ffn_down.weight", Role::FfnDown),
-];
-
-const GGUF_GEMMA3: Table = &[
-    ("token_embd.weight", Role::TokenEmbd),
-    ("output_norm.weight", Role::OutputNorm),
-    ("output.weight", Role::LmHead),
-    ("blk.{L}.attn_norm.weight", Role::AttnNorm),
-    ("blk.{L}.attn_q.weight", Role::AttnQ),
-    ("blk.{L}.attn_k.weight", Role::AttnK),
-    ("blk.{L}.attn_v.weight", Role::AttnV),
-    ("blk.{L}.attn_output.weight", Role::AttnO),
-    ("blk.{L}.attn_q_norm.weight", Role::AttnQNorm),
-    ("blk.{L}.attn_k_norm.weight", Role::AttnKNorm),
-    ("blk.{L}.post_attention_norm.weight", Role::AttnPostNorm),
-    ("blk.{L}.ffn_norm.weight", Role::FfnNorm),
-    ("blk.{L}.post_ffw_norm.weight", Role::FfnPostNorm),
-    ("blk.{L}.ffn_gate.weight", Role::FfnGate),
-    ("blk.{L}.ffn_up.weight", Role::FfnUp),
-    ("blk.{L}.ffn_down.weight", Role::FfnDown),
-];
-
-const GGUF_OLMOE: Table = &[
-    ("token_embd.weight", Role::TokenEmbd),
-    ("output_norm.weight", Role::OutputNorm),
-    ("output.weight", Role::LmHead),
-    ("blk.{L}.attn_norm.weight", Role::AttnNorm),
-    ("blk.{L}.attn_q.weight", Role::AttnQ),
-    ("blk.{L}.attn_k.weight", Role::AttnK),
-    ("blk.{L}.attn_v.weight", Role::AttnV),
-    ("blk.{L}.attn_output.weight", Role::AttnO),
-    ("blk.{L}.attn_q_norm.weight", Role::AttnQNorm),
-    ("blk.{L}.attn_k_norm.weight", Role::AttnKNorm),
-    ("blk.{L}.ffn_norm.weight", Role::FfnNorm),
-    ("blk.{L}.ffn_gate_inp.weight", Role::MoeRouter),
-    ("blk.{L}.ffn_gate_exps.weight", Role::MoeGate),
-    ("blk.{L}.ffn_up_exps.weight", Role::MoeUp),
-    ("blk.{L}.ffn_down_exps.weight", Role::MoeDown),
-];
-
-/// GGUF names the engine never reads: llama.cpp's precomputed Llama 3 rope factors (the manifest
-/// records `rope_scaling` instead).
-const GGUF_IGNORED: &[&str] = &["rope_freqs.weight"];
-
-/// The roles a complete model of a family must have.
-#[derive(Debug, Clone, Copy)]
-pub struct FamilyRoles {
-    /// Model-level tensors; `LmHead` is required only when embeddings are not tied.
-    pub global: &'static [Role],
-    pub per_layer: &'static [Role],
+/// One role's source-name patterns as a description states them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoleNames {
+    pub role: Role,
+    pub hf: &'static str,
+    pub gguf: &'static str,
 }
 
-const LLAMA_LAYER: &[Role] = &[
-    Role::AttnNorm,
-    Role::AttnQ,
-    Role::AttnK,
-    Role::AttnV,
-    Role::AttnO,
-    Role::FfnNorm,
-    Role::FfnGate,
-    Role::FfnUp,
-    Role::FfnDown,
-];
-const GEMMA3_LAYER: &[Role] = &[
-    Role::AttnNorm,
-    Role::AttnQ,
-    Role::AttnK,
-    Role::AttnV,
-    Role::AttnO,
-    Role::AttnQNorm,
-    Role::AttnKNorm,
-    Role::AttnPostNorm,
-    Role::FfnNorm,
-    Role::FfnPostNorm,
-    Role::FfnGate,
-    Role::FfnUp,
-    Role::FfnDown,
-];
-const OLMOE_LAYER: &[Role] = &[
-    Role::AttnNorm,
-    Role::AttnQ,
-    Role::AttnK,
-    Role::AttnV,
-    Role::AttnO,
-    Role::AttnQNorm,
-    Role::AttnKNorm,
-    Role::FfnNorm,
-    Role::MoeRouter,
-    Role::MoeGate,
-    Role::MoeUp,
-    Role::MoeDown,
-];
-const GLOBAL: &[Role] = &[Role::TokenEmbd, Role::OutputNorm, Role::LmHead];
-
-pub fn family_roles(family: Family) -> FamilyRoles {
-    let per_layer = match family {
-        Family::Llama | Family::Smollm3 => LLAMA_LAYER,
-        Family::Gemma3 => GEMMA3_LAYER,
-        Family::Olmoe => OLMOE_LAYER,
-    };
-    FamilyRoles { global: GLOBAL, per_layer }
+/// A description's `[tensors]` table, as generated data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorNames {
+    /// Every role the family's models have; all are required except `lm_head` with tied embeddings.
+    pub roles: &'static [RoleNames],
+    /// HF names the engine never reads (rotary `inv_freq` buffers).
+    pub hf_ignore: &'static [&'static str],
+    /// GGUF names the engine never reads (llama.cpp's precomputed `rope_freqs`).
+    pub gguf_ignore: &'static [&'static str],
+    /// HF name prefixes never read (a multimodal checkpoint's vision side).
+    pub hf_ignore_prefixes: &'static [&'static str],
+    /// HF prefix rewrites applied before matching (multimodal Gemma 3 nests the text model).
+    pub hf_prefix_aliases: &'static [(&'static str, &'static str)],
 }
 
-/// The name table of one family in one source format.
-pub fn table(family: Family, kind: SourceKind) -> Table {
-    match (kind, family) {
-        (SourceKind::Safetensors, Family::Llama | Family::Smollm3) => HF_LLAMA,
-        (SourceKind::Safetensors, Family::Gemma3) => HF_GEMMA3,
-        (SourceKind::Safetensors, Family::Olmoe) => HF_OLMOE,
-        (SourceKind::Gguf, Family::Llama | Family::Smollm3) => GGUF_LLAMA,
-        (SourceKind::Gguf, Family::Gemma3) => GGUF_GEMMA3,
-        (SourceKind::Gguf, Family::Olmoe) => GGUF_OLMOE,
+impl TensorNames {
+    /// The first thing on which two tables differ, named for an error message; `None` if equal.
+    pub fn difference(&self, other: &TensorNames) -> Option<String> {
+        for r in self.roles {
+            match other.roles.iter().find(|o| o.role == r.role) {
+                None => return Some(format!("role {} (absent from one)", r.role.name())),
+                Some(o) if o.hf != r.hf => return Some(format!("role {} (hf `{}` vs `{}`)", r.role.name(), r.hf, o.hf)),
+                Some(o) if o.gguf != r.gguf => {
+                    return Some(format!("role {} (gguf `{}` vs `{}`)", r.role.name(), r.gguf, o.gguf))
+                }
+                Some(_) => {}
+            }
+        }
+        if let Some(o) = other.roles.iter().find(|o| !self.roles.iter().any(|r| r.role == o.role)) {
+            return Some(format!("role {} (absent from one)", o.role.name()));
+        }
+        if self.hf_ignore != other.hf_ignore {
+            return Some("the ignored hf names".into());
+        }
+        if self.gguf_ignore != other.gguf_ignore {
+            return Some("the ignored gguf names".into());
+        }
+        if self.hf_ignore_prefixes != other.hf_ignore_prefixes {
+            return Some("the ignored hf prefixes".into());
+        }
+        if self.hf_prefix_aliases != other.hf_prefix_aliases {
+            return Some("the hf prefix aliases".into());
+        }
+        None
+    }
+}
+
+/// The name table of one family: the `[tensors]` of its descriptions, which must agree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NameTable {
+    pub family: Family,
+    pub names: TensorNames,
+}
+
+impl NameTable {
+    /// The table of `family` from the descriptions in `known` (`thin_generated::KNOWN_ARCHS`).
+    pub fn for_family(known: &[KnownArch], family: Family) -> Result<NameTable, NameError> {
+        let mut of_family = known.iter().filter(|k| k.family == family);
+        let Some(first) = of_family.next() else {
+            return Err(NameError::NoDescription {
+                family: family.name(),
+                known: known.iter().map(|k| k.name).collect::<Vec<_>>().join(", "),
+            });
+        };
+        for k in of_family {
+            if let Some(what) = first.tensors.difference(&k.tensors) {
+                return Err(NameError::Disagree { family: family.name(), first: first.name, second: k.name, what });
+            }
+        }
+        Ok(NameTable { family, names: first.tensors })
+    }
+
+    /// The role's pattern in one source format.
+    pub fn pattern(&self, kind: SourceKind, role: Role) -> Option<&'static str> {
+        let r = self.names.roles.iter().find(|r| r.role == role)?;
+        Some(match kind {
+            SourceKind::Safetensors => r.hf,
+            SourceKind::Gguf => r.gguf,
+        })
+    }
+
+    /// Roles every model of the family has (`lm_head` is listed; it is required only when untied).
+    pub fn roles(&self) -> impl Iterator<Item = Role> + '_ {
+        self.names.roles.iter().map(|r| r.role)
+    }
+
+    /// Resolve a source tensor name to its role, layer and expert.
+    pub fn resolve(&self, kind: SourceKind, name: &str) -> Result<NameMatch, NameError> {
+        let n = &self.names;
+        let (ignored, canonical): (&[&str], std::borrow::Cow<'_, str>) = match kind {
+            SourceKind::Safetensors => {
+                if n.hf_ignore_prefixes.iter().any(|p| name.starts_with(p)) {
+                    return Ok(NameMatch::Ignored);
+                }
+                let aliased = n
+                    .hf_prefix_aliases
+                    .iter()
+                    .find_map(|(from, to)| name.strip_prefix(from).map(|r| format!("{to}{r}")));
+                (n.hf_ignore, aliased.map_or(std::borrow::Cow::Borrowed(name), std::borrow::Cow::Owned))
+            }
+            SourceKind::Gguf => (n.gguf_ignore, std::borrow::Cow::Borrowed(name)),
+        };
+        for r in n.roles {
+            let pattern = match kind {
+                SourceKind::Safetensors => r.hf,
+                SourceKind::Gguf => r.gguf,
+            };
+            if let Some(c) = match_pattern(pattern, &canonical)? {
+                return Ok(NameMatch::Tensor { role: r.role, layer: c.layer, expert: c.expert });
+            }
+        }
+        for pattern in ignored {
+            if match_pattern(pattern, &canonical)?.is_some() {
+                return Ok(NameMatch::Ignored);
+            }
+        }
+        Err(NameError::Unknown { name: name.to_string(), family: self.family.name(), kind: kind.name() })
     }
 }
 
@@ -226,14 +166,14 @@ pub struct Captures {
     pub expert: Option<u32>,
 }
 
-/// Match `name` against `pattern` (`{L}` and `{E}` match a decimal integer). `Ok(None)` when it
+/// Match `name` against `pattern` (`{l}` and `{e}` match a decimal integer). `Ok(None)` when it
 /// does not match; an error when it matches but an index overflows u32.
 pub fn match_pattern(pattern: &str, name: &str) -> Result<Option<Captures>, NameError> {
     let mut caps = Captures::default();
     let mut pat = pattern;
     let mut rest = name;
     loop {
-        let next = [("{L}", true), ("{E}", false)]
+        let next = [("{l}", true), ("{e}", false)]
             .iter()
             .filter_map(|(tok, is_layer)| pat.find(tok).map(|i| (i, *is_layer)))
             .min_by_key(|(i, _)| *i);
@@ -263,110 +203,145 @@ pub fn match_pattern(pattern: &str, name: &str) -> Result<Option<Captures>, Name
     }
 }
 
-/// Resolve a source tensor name to its role, layer and expert.
-pub fn resolve(family: Family, kind: SourceKind, name: &str) -> Result<NameMatch, NameError> {
-    let (ignored, canonical): (&[&str], std::borrow::Cow<'_, str>) = match kind {
-        SourceKind::Safetensors => {
-            if HF_IGNORED_PREFIXES.iter().any(|p| name.starts_with(p)) {
-                return Ok(NameMatch::Ignored);
-            }
-            let aliased =
-                HF_PREFIX_ALIASES.iter().find_map(|(from, to)| name.strip_prefix(from).map(|r| format!("{to}{r}")));
-            (HF_IGNORED, aliased.map_or(std::borrow::Cow::Borrowed(name), std::borrow::Cow::Owned))
-        }
-        SourceKind::Gguf => (GGUF_IGNORED, std::borrow::Cow::Borrowed(name)),
-    };
-    for (pattern, role) in table(family, kind) {
-        if let Some(c) = match_pattern(pattern, &canonical)? {
-            return Ok(NameMatch::Tensor { role: *role, layer: c.layer, expert: c.expert });
-        }
-    }
-    for pattern in ignored {
-        if match_pattern(pattern, &canonical)?.is_some() {
-            return Ok(NameMatch::Ignored);
-        }
-    }
-    Err(NameError::Unknown { name: name.to_string(), family: family.name(), kind: kind.name() })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::{KnownArch, MathConstants};
 
-    const FAMILIES: [Family; 4] = [Family::Llama, Family::Smollm3, Family::Gemma3, Family::Olmoe];
-    const KINDS: [SourceKind; 2] = [SourceKind::Safetensors, SourceKind::Gguf];
+    const MATH: MathConstants = MathConstants {
+        rms_norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_local_theta: None,
+        rope_scaling: None,
+        no_rope_layers: &[],
+        attn_logit_softcap: None,
+        final_logit_softcap: None,
+        sliding_window: None,
+        embedding_scale: 1.0,
+        attention_scale: 0.125,
+    };
 
-    fn fill(pattern: &str, l: u32, e: u32) -> String {
-        pattern.replace("{L}", &l.to_string()).replace("{E}", &e.to_string())
+    /// A cut-down description table: enough roles to exercise globals, layers, experts and ignores.
+    const NAMES: TensorNames = TensorNames {
+        roles: &[
+            RoleNames { role: Role::TokenEmbd, hf: "model.embed_tokens.weight", gguf: "token_embd.weight" },
+            RoleNames { role: Role::LmHead, hf: "lm_head.weight", gguf: "output.weight" },
+            RoleNames {
+                role: Role::AttnQ,
+                hf: "model.layers.{l}.self_attn.q_proj.weight",
+                gguf: "blk.{l}.attn_q.weight",
+            },
+            RoleNames {
+                role: Role::AttnQNorm,
+                hf: "model.layers.{l}.self_attn.q_norm.weight",
+                gguf: "blk.{l}.attn_q_norm.weight",
+            },
+            RoleNames {
+                role: Role::MoeGate,
+                hf: "model.layers.{l}.mlp.experts.{e}.gate_proj.weight",
+                gguf: "blk.{l}.ffn_gate_exps.weight",
+            },
+        ],
+        hf_ignore: &["model.layers.{l}.self_attn.rotary_emb.inv_freq"],
+        gguf_ignore: &["rope_freqs.weight"],
+        hf_ignore_prefixes: &["vision_tower."],
+        hf_prefix_aliases: &[("model.language_model.", "model."), ("language_model.model.", "model.")],
+    };
+
+    fn known(name: &'static str, family: Family, tensors: TensorNames) -> KnownArch {
+        KnownArch { name, family, fingerprint: "", math: MATH, tensors }
+    }
+
+    fn table() -> NameTable {
+        NameTable::for_family(&[known("a", Family::Olmoe, NAMES)], Family::Olmoe).expect("table")
     }
 
     #[test]
-    fn every_role_of_every_family_resolves() {
-        for family in FAMILIES {
-            let roles = family_roles(family);
-            for kind in KINDS {
-                let t = table(family, kind);
-                for role in roles.global.iter().chain(roles.per_layer) {
-                    let (pattern, _) = t
-                        .iter()
-                        .find(|(_, r)| r == role)
-                        .unwrap_or_else(|| panic!("{family:?} {kind:?} has no name for {role:?}"));
-                    let name = fill(pattern, 17, 5);
-                    let m = resolve(family, kind, &name).expect("resolves");
-                    let NameMatch::Tensor { role: got, layer, expert } = m else { panic!("{name} ignored") };
-                    assert_eq!(got, *role, "{name}");
-                    assert_eq!(layer, role.is_per_layer().then_some(17), "{name}");
-                    let unstacked_expert =
-                        kind == SourceKind::Safetensors && matches!(got, Role::MoeGate | Role::MoeUp | Role::MoeDown);
-                    assert_eq!(expert, unstacked_expert.then_some(5), "{name}");
-                }
-                // Nothing in a table is outside the family's role set.
-                for (pattern, role) in t {
-                    assert!(roles.global.contains(role) || roles.per_layer.contains(role), "{pattern}");
-                }
-            }
-        }
+    fn roles_layers_and_experts_resolve() {
+        let t = table();
+        let m = |kind, name| t.resolve(kind, name).expect(name);
+        use SourceKind::{Gguf, Safetensors as Hf};
+        assert_eq!(m(Hf, "lm_head.weight"), NameMatch::Tensor { role: Role::LmHead, layer: None, expert: None });
+        assert_eq!(m(Gguf, "output.weight"), NameMatch::Tensor { role: Role::LmHead, layer: None, expert: None });
+        assert_eq!(
+            m(Hf, "model.layers.17.mlp.experts.5.gate_proj.weight"),
+            NameMatch::Tensor { role: Role::MoeGate, layer: Some(17), expert: Some(5) }
+        );
+        assert_eq!(
+            m(Gguf, "blk.17.ffn_gate_exps.weight"),
+            NameMatch::Tensor { role: Role::MoeGate, layer: Some(17), expert: None }
+        );
+        assert_eq!(t.pattern(Gguf, Role::AttnQ), Some("blk.{l}.attn_q.weight"));
+        assert_eq!(t.pattern(Hf, Role::FfnUp), None);
+        assert_eq!(t.roles().count(), 5);
     }
 
     #[test]
     fn unknown_name_is_an_error_naming_the_tensor() {
-        let e = resolve(Family::Llama, SourceKind::Safetensors, "model.layers.0.mlp.experts.0.gate_proj.weight")
-            .unwrap_err();
-        assert!(e.to_string().contains("model.layers.0.mlp.experts.0.gate_proj.weight"), "{e}");
-        assert!(resolve(Family::Gemma3, SourceKind::Gguf, "blk.x.attn_q.weight").is_err());
-        assert!(resolve(Family::Llama, SourceKind::Gguf, "blk.1.attn_q.weight.extra").is_err());
-        assert!(resolve(Family::Llama, SourceKind::Gguf, "blk.01.attn_q.weight").is_err());
-        let big = resolve(Family::Llama, SourceKind::Gguf, "blk.99999999999.attn_q.weight").unwrap_err();
+        let t = table();
+        let e = t.resolve(SourceKind::Safetensors, "model.layers.0.mlp.gate_proj.weight").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "tensor `model.layers.0.mlp.gate_proj.weight` is not a known olmoe safetensors tensor name"
+        );
+        assert!(t.resolve(SourceKind::Gguf, "blk.x.attn_q.weight").is_err());
+        assert!(t.resolve(SourceKind::Gguf, "blk.1.attn_q.weight.extra").is_err());
+        assert!(t.resolve(SourceKind::Gguf, "blk.01.attn_q.weight").is_err());
+        let big = t.resolve(SourceKind::Gguf, "blk.99999999999.attn_q.weight").unwrap_err();
         assert!(matches!(big, NameError::BadIndex { .. }));
     }
 
     #[test]
     fn ignorable_names() {
+        let t = table();
         assert_eq!(
-            resolve(Family::Llama, SourceKind::Safetensors, "model.layers.3.self_attn.rotary_emb.inv_freq"),
+            t.resolve(SourceKind::Safetensors, "model.layers.3.self_attn.rotary_emb.inv_freq"),
             Ok(NameMatch::Ignored)
         );
-        assert_eq!(resolve(Family::Llama, SourceKind::Gguf, "rope_freqs.weight"), Ok(NameMatch::Ignored));
+        assert_eq!(t.resolve(SourceKind::Gguf, "rope_freqs.weight"), Ok(NameMatch::Ignored));
+        assert!(t.resolve(SourceKind::Safetensors, "rope_freqs.weight").is_err(), "ignores are per format");
         assert_eq!(
-            resolve(
-                Family::Gemma3,
-                SourceKind::Safetensors,
-                "vision_tower.vision_model.embeddings.patch_embedding.weight"
-            ),
+            t.resolve(SourceKind::Safetensors, "vision_tower.vision_model.embeddings.patch_embedding.weight"),
             Ok(NameMatch::Ignored)
         );
     }
 
     #[test]
-    fn multimodal_gemma_prefixes_map_to_text_names() {
-        for name in [
-            "language_model.model.layers.2.self_attn.q_norm.weight",
-            "model.language_model.layers.2.self_attn.q_norm.weight",
-        ] {
+    fn prefix_aliases_map_to_text_names() {
+        let t = table();
+        for name in ["language_model.model.layers.2.self_attn.q_norm.weight", "model.language_model.layers.2.self_attn.q_norm.weight"] {
             assert_eq!(
-                resolve(Family::Gemma3, SourceKind::Safetensors, name),
+                t.resolve(SourceKind::Safetensors, name),
                 Ok(NameMatch::Tensor { role: Role::AttnQNorm, layer: Some(2), expert: None })
             );
         }
+    }
+
+    #[test]
+    fn a_family_has_one_table() {
+        let mut other_roles = NAMES.roles.to_vec();
+        other_roles[2].gguf = "blk.{l}.attn_query.weight";
+        let other = TensorNames { roles: Box::leak(other_roles.into_boxed_slice()), ..NAMES };
+        let e = NameTable::for_family(
+            &[known("a", Family::Olmoe, NAMES), known("b", Family::Olmoe, other), known("c", Family::Llama, other)],
+            Family::Olmoe,
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(
+            e,
+            "the olmoe descriptions a and b name role attn_q (gguf `blk.{l}.attn_q.weight` vs `blk.{l}.attn_query.weight`) \
+             differently; a family has one name table"
+        );
+        // Other families' descriptions do not count.
+        assert!(NameTable::for_family(&[known("a", Family::Olmoe, NAMES), known("c", Family::Llama, other)], Family::Olmoe).is_ok());
+        let fewer = TensorNames { roles: &NAMES.roles[..4], ..NAMES };
+        assert_eq!(NAMES.difference(&fewer).as_deref(), Some("role moe_gate (absent from one)"));
+        assert_eq!(fewer.difference(&NAMES).as_deref(), Some("role moe_gate (absent from one)"));
+        let no_ignore = TensorNames { gguf_ignore: &[], ..NAMES };
+        assert_eq!(NAMES.difference(&no_ignore).as_deref(), Some("the ignored gguf names"));
+
+        let e = NameTable::for_family(&[known("c", Family::Llama, NAMES)], Family::Gemma3).unwrap_err().to_string();
+        assert!(e.contains("family gemma3") && e.contains("known: c"), "{e}");
     }
 }
