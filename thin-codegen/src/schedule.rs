@@ -107,7 +107,7 @@ impl Out {
     /// A projection's output into the residual: decode `fused` (matvec + add) or `plain` then
     /// norm_residual; prefill a GEMM accumulating into PX, or into PO then norm_residual.
     #[allow(clippy::too_many_arguments)]
-    fn into_residual(&mut self, r: Residual, (fused, plain): (&'static str, &'static str), input: Buf, weight: WeightRef, prefill_in: Buf, n: usize, k: usize) {
+    fn push_residual(&mut self, r: Residual, (fused, plain): (&'static str, &'static str), input: Buf, weight: WeightRef, prefill_in: Buf, n: usize, k: usize) {
         let w = Arg::Weight(weight.0, weight.1);
         let grid = mv(weight, k, n, 1);
         match r {
@@ -205,7 +205,7 @@ fn lower_layer(lp: &LayerPlan, d: &Dims) -> Result<Out, Unsupported> {
     out.pk("qk_rope_kv", (None, Grid::Rows), 256, vec![Arg::Buf(Buf::PQkv), qn, kn, cos, sin, Arg::Buf(Buf::Pos), kc, vc, use_rope]);
     out.pk("attn_partial", (None, Grid::HeadRowsZ { heads: d.heads }), ATTN_WARPS * 32, vec![Arg::Buf(Buf::PQkv), kc, vc, Arg::Buf(Buf::Pos), window, Arg::Ctx, Arg::Buf(Buf::PPart)]);
     out.pk("attn_combine_rows", (Some((wo, li)), Grid::HeadRowsY { heads: d.heads }), d.head_dim as u32, vec![Arg::Buf(Buf::PPart), Arg::I32(1), Arg::Buf(Buf::PAtt)]);
-    out.into_residual(r, ("o_residual", "o_proj"), Buf::Att, (wo, li), Buf::PAtt, h, q);
+    out.push_residual(r, ("o_residual", "o_proj"), Buf::Att, (wo, li), Buf::PAtt, h, q);
 
     // norm + gate/up + activation, then down into the residual
     let ffn_norm = ops.take(|o| match o {
@@ -221,7 +221,7 @@ fn lower_layer(lp: &LayerPlan, d: &Dims) -> Result<Out, Unsupported> {
     out.gemm((up, li), Buf::PXn, Buf::PUp, 0, ffn, ffn, h, false);
     out.pk("rows_act", (Some((down, li)), Grid::Elements { width: ffn }), 256, vec![Arg::Buf(Buf::PGate), Arg::Buf(Buf::PUp), Arg::Buf(Buf::PAct), Arg::Elements { width: ffn }]);
     let r = residual(&mut ops, "down").ok_or_else(|| ops.refuse())?;
-    out.into_residual(r, ("down_residual", "down_proj"), Buf::Act, (down, li), Buf::PAct, h, ffn);
+    out.push_residual(r, ("down_residual", "down_proj"), Buf::Act, (down, li), Buf::PAct, h, ffn);
 
     if ops.done() { Ok(out) } else { Err(ops.refuse()) }
 }
