@@ -3,22 +3,22 @@
 
 use proc_macro2::TokenStream;
 use quote::quote;
-use thin_core::cuda::plan::Schedule;
 
 use crate::description::*;
 use crate::emit_cpu::{inv_freq_tokens, lit_u};
-use crate::schedule::{schedule_tokens, Unsupported};
+use crate::lower::Plan;
+use crate::schedule::{schedule_tokens, ScheduleParts, Unsupported};
 
 /// The `cuda` submodule: plain data, so it builds with or without the `cuda` feature. An arch the
 /// kernels cannot run gets `arch()` returning the refusal (and no kernel sources).
-pub fn emit_cuda_module(d: &Description, schedule: &Result<Schedule, Unsupported>) -> TokenStream {
+pub fn emit_cuda_module(d: &Description, plan: &Plan, schedule: &Result<ScheduleParts, Unsupported>) -> TokenStream {
     let a = &d.attention;
     let u = |x: u64| lit_u(x);
     let (vocab, hidden, heads, kv, hd, ffn) = (u(d.dims.vocab_size), u(d.dims.hidden_size), u(a.num_heads), u(a.num_kv_heads), u(a.head_dim), u(d.dims.intermediate_size));
     let max_pos = u(d.dims.max_position_embeddings);
     let inv = |t: f64| inv_freq_tokens(d, t, hd.clone());
     let (inv_g, inv_l) = (inv(d.rope.theta), inv(d.rope.local_theta.unwrap_or(d.rope.theta)));
-    let body = schedule_tokens(&d.model.name, schedule);
+    let body = schedule_tokens(&d.model.name, plan, schedule);
     let arch = if schedule.is_ok() {
         quote! {
             pub const KERNELS: &str = include_str!("kernels/decode.cu");
@@ -56,10 +56,7 @@ pub fn emit_cuda_module(d: &Description, schedule: &Result<Schedule, Unsupported
             use thin_core::cuda::plan::{Arg, Buf, CudaArch, Gemm, Grid, Launch, PlanError, RopeTable, Schedule, Step};
             use thin_core::role::Role;
 
-            /// The decode step (one CUDA graph), a prefill pass and its epilogue, in launch order.
-            pub fn schedule() -> Result<Schedule, PlanError> {
-                #body
-            }
+            #body
 
             #arch
         }

@@ -12,7 +12,7 @@ pub use emit_cpu::emit_rust;
 pub use emit_cuda::emit_cuda_module;
 pub use kernels::{emit_kernels, DecodeKernels};
 pub use lower::*;
-pub use schedule::{cuda_schedule, Unsupported};
+pub use schedule::{cuda_schedule, cuda_schedule_parts, ScheduleParts, Unsupported};
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -60,9 +60,10 @@ pub fn generate_one_with_kernels(rel: &str, text: &str) -> Result<(String, Plan,
     let d = parse(rel, text)?;
     validate(rel, &d)?;
     let plan = lower(&d);
-    let schedule = cuda_schedule(&d, &plan);
+    let parts = cuda_schedule_parts(&d, &plan);
     let mut tokens = emit_rust(&d, &plan);
-    tokens.extend(emit_cuda_module(&d, &schedule));
+    tokens.extend(emit_cuda_module(&d, &plan, &parts));
+    let schedule = parts.map(|p| p.schedule());
     let file = syn::parse2::<syn::File>(tokens).map_err(|e| CodegenError::Parse { file: rel.into(), msg: format!("emitted Rust does not parse: {e}") })?;
     let rust_hash = inputs_hash(std::iter::once(text).chain(RUST_INPUTS));
     let kernel_hash = inputs_hash(std::iter::once(text).chain(KERNEL_INPUTS));

@@ -79,11 +79,11 @@ fn residual(ops: &mut Ops, from: &str) -> Option<Residual> {
     Some(post.map_or(Residual::Plain, Residual::PostNorm))
 }
 
-/// The launches and prefill steps of one layer (or of the prologue / epilogue).
-#[derive(Default)]
-struct Out {
-    decode: Vec<Launch>,
-    prefill: Vec<Step>,
+/// The launches and prefill steps of one layer (or of the prologue).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Out {
+    pub decode: Vec<Launch>,
+    pub prefill: Vec<Step>,
 }
 
 /// A matvec over `rows` outputs of `nr` rows of `weight` of `in_features`, typed by that weight.
@@ -266,8 +266,31 @@ fn lower_epilogue(ops: &[Op], d: &Dims) -> Result<Vec<Launch>, Unsupported> {
     ])
 }
 
-/// The whole CUDA schedule of a plan, or the first op the kernels cannot run.
-pub fn cuda_schedule(desc: &Description, plan: &Plan) -> Result<Schedule, Unsupported> {
+/// The schedule in the pieces it is generated as: the prologue, each layer, the epilogue.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScheduleParts {
+    pub prologue: Out,
+    pub layers: Vec<Out>,
+    /// The decode step's tail, which prefill also runs on the prompt's last row.
+    pub epilogue: Vec<Launch>,
+}
+
+impl ScheduleParts {
+    /// The pieces in launch order.
+    pub fn schedule(&self) -> Schedule {
+        let mut decode = self.prologue.decode.clone();
+        let mut prefill = self.prologue.prefill.clone();
+        for l in &self.layers {
+            decode.extend(l.decode.iter().cloned());
+            prefill.extend(l.prefill.iter().cloned());
+        }
+        decode.extend(self.epilogue.iter().cloned());
+        Schedule { decode, prefill, epilogue: self.epilogue.clone() }
+    }
+}
+
+/// The CUDA schedule of a plan in its pieces, or the first op the kernels cannot run.
+pub fn cuda_schedule_parts(desc: &Description, plan: &Plan) -> Result<ScheduleParts, Unsupported> {
     let a = &desc.attention;
     let d = Dims {
         hidden: desc.dims.hidden_size as usize,
@@ -278,15 +301,16 @@ pub fn cuda_schedule(desc: &Description, plan: &Plan) -> Result<Schedule, Unsupp
         ffn: desc.dims.intermediate_size as usize,
         vocab: desc.dims.vocab_size as usize,
     };
-    let mut all = lower_prologue(&plan.prologue, &d)?;
-    for lp in &plan.layers {
-        let layer = lower_layer(lp, &d)?;
-        all.decode.extend(layer.decode);
-        all.prefill.extend(layer.prefill);
-    }
-    let epilogue = lower_epilogue(&plan.epilogue, &d)?;
-    all.decode.extend(epilogue.iter().cloned());
-    Ok(Schedule { decode: all.decode, prefill: all.prefill, epilogue })
+    Ok(ScheduleParts {
+        prologue: lower_prologue(&plan.prologue, &d)?,
+        layers: plan.layers.iter().map(|lp| lower_layer(lp, &d)).collect::<Result<_, _>>()?,
+        epilogue: lower_epilogue(&plan.epilogue, &d)?,
+    })
+}
+
+/// The whole CUDA schedule of a plan, or the first op the kernels cannot run.
+pub fn cuda_schedule(desc: &Description, plan: &Plan) -> Result<Schedule, Unsupported> {
+    cuda_schedule_parts(desc, plan).map(|p| p.schedule())
 }
 
 // ---- The schedule as Rust tokens (the generated `cuda::schedule()`).
@@ -369,7 +393,7 @@ fn launch_tokens(l: &Launch) -> TokenStream {
         None => quote!(None),
     };
     let args = l.args.iter().map(arg_tokens);
-    quote!(Launch { kernel: #k, typed_by: #typed, grid: #g, block: #b, args: vec![#(#args),*] })
+    quote!(Launch { kernel: #k, typed_by: #typed, grid: #g, block: #b, args: Vec::from([#(#args),*]) })
 }
 
 fn step_tokens(s: &Step) -> TokenStream {
@@ -387,21 +411,58 @@ fn step_tokens(s: &Step) -> TokenStream {
     }
 }
 
-/// The body of the generated `cuda::schedule()`: the schedule as literal data, or the refusal.
-pub fn schedule_tokens(arch: &str, s: &Result<Schedule, Unsupported>) -> TokenStream {
-    match s {
-        Ok(s) => {
-            let decode = s.decode.iter().map(launch_tokens);
-            let prefill = s.prefill.iter().map(step_tokens);
-            let epilogue = s.epilogue.iter().map(launch_tokens);
-            quote! {
-                Ok(Schedule {
-                    decode: vec![#(#decode),*],
-                    prefill: vec![#(#prefill),*],
-                    epilogue: vec![#(#epilogue),*],
-                })
+/// The generated `cuda::schedule()` and the functions it reads like a forward pass from: the
+/// prologue, one function per layer (its decode launches and its prefill steps), the epilogue.
+/// Or, where the kernels cannot run the plan, `schedule()` returning the refusal.
+pub fn schedule_tokens(arch: &str, plan: &Plan, parts: &Result<ScheduleParts, Unsupported>) -> TokenStream {
+    let p = match parts {
+        Ok(p) => p,
+        Err(Unsupported(what)) => {
+            return quote! {
+                /// This arch on the CUDA backend: refused, naming the plan op no kernel takes.
+                pub fn schedule() -> Result<Schedule, PlanError> {
+                    Err(PlanError::Unsupported { arch: #arch.to_string(), what: #what.to_string() })
+                }
             }
         }
-        Err(Unsupported(what)) => quote!(Err(PlanError::Unsupported { arch: #arch.to_string(), what: #what.to_string() })),
+    };
+    let piece = |name: &proc_macro2::Ident, doc: &str, o: &Out| {
+        let d = o.decode.iter().map(launch_tokens);
+        let s = o.prefill.iter().map(step_tokens);
+        quote! {
+            #[doc = #doc]
+            fn #name() -> (Vec<Launch>, Vec<Step>) {
+                (Vec::from([#(#d),*]), Vec::from([#(#s),*]))
+            }
+        }
+    };
+    let mut fns = vec![piece(&quote::format_ident!("prologue"), " The embedding: `x = token_embd[tok] * scale` (prefill: every prompt row).", &p.prologue)];
+    let mut calls = vec![quote!(prologue())];
+    for (lp, o) in plan.layers.iter().zip(&p.layers) {
+        let f = quote::format_ident!("layer_{}", lp.layer);
+        let doc = format!(" Layer {}: {:?} attention, RoPE {}.", lp.layer, lp.attention, if lp.rope { "on" } else { "off" });
+        fns.push(piece(&f, &doc, o));
+        calls.push(quote!(#f()));
+    }
+    let epi = p.epilogue.iter().map(launch_tokens);
+    quote! {
+        /// The decode step (one CUDA graph), a prefill pass and its epilogue, in launch order.
+        pub fn schedule() -> Result<Schedule, PlanError> {
+            let (mut decode, mut prefill) = (Vec::new(), Vec::new());
+            for (d, p) in [#(#calls),*] {
+                decode.extend(d);
+                prefill.extend(p);
+            }
+            let epilogue = epilogue();
+            decode.extend(epilogue.iter().cloned());
+            Ok(Schedule { decode, prefill, epilogue })
+        }
+
+        #(#fns)*
+
+        /// Final norm + LM head, then the argmax that writes the next token and advances the position.
+        fn epilogue() -> Vec<Launch> {
+            Vec::from([#(#epi),*])
+        }
     }
 }
