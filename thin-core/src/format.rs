@@ -553,6 +553,22 @@ fn check_pages(pages: &[PageEntry], data_off: u64, data_end: u64) -> Result<(), 
     Ok(())
 }
 
+/// Element types an archive's bytes are read as in place: every bit pattern is a valid value.
+trait Pod {}
+impl Pod for f32 {}
+impl Pod for half::bf16 {}
+
+/// Tensor `t`'s bytes as elements, zero-copy (pages are aligned; a misaligned one is an error).
+fn elements<'a, T: Pod>(t: &TensorEntry, b: &'a [u8]) -> Result<&'a [T], FormatError> {
+    // SAFETY: T is f32 or bf16 (a repr(transparent) u16), for which every bit pattern is valid;
+    // align_to only yields the aligned middle part, and a non-empty remainder is refused.
+    let (pre, mid, post) = unsafe { b.align_to::<T>() };
+    if !pre.is_empty() || !post.is_empty() {
+        return Err(FormatError::Unaligned { tensor: t.name.clone() });
+    }
+    Ok(mid)
+}
+
 impl Archive {
     /// Reads and validates header, page table and manifest (no page hashing).
     pub fn open(path: &Path) -> Result<Archive, FormatError> {
@@ -641,18 +657,9 @@ impl Archive {
     pub fn tensor_view(&self, index: usize) -> Result<crate::engine::WeightView<'_>, FormatError> {
         let t = self.manifest.tensors.get(index).ok_or(FormatError::TensorNotFound { role: format!("tensor #{index}") })?;
         let b = self.tensor_bytes(t)?;
-        let unaligned = || FormatError::Unaligned { tensor: t.name.clone() };
         match t.dtype {
-            DType::F32 => {
-                // SAFETY: every bit pattern is a valid f32; align_to only yields the aligned middle part.
-                let (pre, mid, post) = unsafe { b.align_to::<f32>() };
-                if pre.is_empty() && post.is_empty() { Ok(crate::engine::WeightView::F32(mid)) } else { Err(unaligned()) }
-            }
-            DType::Bf16 => {
-                // SAFETY: bf16 is a repr(transparent) u16; every bit pattern is valid.
-                let (pre, mid, post) = unsafe { b.align_to::<half::bf16>() };
-                if pre.is_empty() && post.is_empty() { Ok(crate::engine::WeightView::Bf16(mid)) } else { Err(unaligned()) }
-            }
+            DType::F32 => Ok(crate::engine::WeightView::F32(elements(t, b)?)),
+            DType::Bf16 => Ok(crate::engine::WeightView::Bf16(elements(t, b)?)),
             other => Err(FormatError::WrongDType { tensor: t.name.clone(), expected: DType::Bf16, found: other }),
         }
     }
@@ -660,23 +667,13 @@ impl Archive {
     /// F32 tensor by role and layer, zero-copy.
     pub fn tensor_f32(&self, role: Role, layer: Option<u32>) -> Result<&[f32], FormatError> {
         let (t, b) = self.typed_entry(role, layer, DType::F32)?;
-        // SAFETY: every bit pattern is a valid f32; align_to only yields the aligned middle part.
-        let (pre, mid, post) = unsafe { b.align_to::<f32>() };
-        if !pre.is_empty() || !post.is_empty() {
-            return Err(FormatError::Unaligned { tensor: t.name.clone() });
-        }
-        Ok(mid)
+        elements(t, b)
     }
 
     /// BF16 tensor by role and layer, zero-copy.
     pub fn tensor_bf16(&self, role: Role, layer: Option<u32>) -> Result<&[half::bf16], FormatError> {
         let (t, b) = self.typed_entry(role, layer, DType::Bf16)?;
-        // SAFETY: bf16 is a repr(transparent) u16; every bit pattern is valid.
-        let (pre, mid, post) = unsafe { b.align_to::<half::bf16>() };
-        if !pre.is_empty() || !post.is_empty() {
-            return Err(FormatError::Unaligned { tensor: t.name.clone() });
-        }
-        Ok(mid)
+        elements(t, b)
     }
 
     /// Hashes every page and every tensor and compares with the page table and the manifest.
