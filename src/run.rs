@@ -53,13 +53,13 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 256)]
     pub max_tokens: usize,
     /// 0 is greedy (argmax).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, value_parser = temperature)]
     pub temperature: f32,
     /// Sample among the k most likely tokens only; 0 means no cut.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = top_k)]
     pub top_k: usize,
     /// Nucleus sampling: the smallest set of tokens whose probability reaches p; 1 means no cut.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = top_p)]
     pub top_p: f32,
     /// Seed of the sampler's RNG: the same seed gives the same tokens.
     #[arg(long, default_value_t = 0)]
@@ -70,18 +70,29 @@ pub struct RunArgs {
     pub format: OutputFormat,
 }
 
-fn check_sampling(a: &RunArgs) -> anyhow::Result<SamplerConfig> {
-    if !(a.temperature.is_finite() && a.temperature >= 0.0) {
-        bail!("--temperature must be a finite number >= 0 (0 is greedy), got {}", a.temperature);
+// Sampling flags are checked as clap parses them (negative numbers reach these parsers instead
+// of clap's advice to write `-- -1`), so a bad value is named with its range.
+
+fn temperature(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(t) if t.is_finite() && t >= 0.0 => Ok(t),
+        _ => Err(format!("{s:?} is not a finite number >= 0 (0 is greedy)")),
     }
-    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
-        bail!("--top-p must be in (0, 1], got {}", a.top_p);
+}
+
+fn top_p(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(p) if p > 0.0 && p <= 1.0 => Ok(p),
+        _ => Err(format!("{s:?} is not in (0, 1] (1: no cut)")),
     }
-    Ok(SamplerConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed })
+}
+
+fn top_k(s: &str) -> Result<usize, String> {
+    s.parse::<usize>().map_err(|_| format!("{s:?} is not a whole number >= 0 (0: no cut)"))
 }
 
 pub fn run(a: RunArgs) -> anyhow::Result<()> {
-    let sampling = check_sampling(&a)?;
+    let sampling = SamplerConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed };
     if a.prompt.as_deref() == Some("") {
         bail!("--prompt is empty");
     }

@@ -291,8 +291,20 @@ fn bad_input_is_a_clear_error() {
     let a = convert("llama-tiny", tmp.path());
     assert!(run_fails(&a, &["--prompt", ""]).contains("empty"));
     assert!(run_fails(&a, &["--prompt-ids", "1,999"]).contains("outside the vocabulary"));
-    assert!(run_fails(&a, &["--prompt", "x", "--top-p", "0"]).contains("--top-p"));
-    assert!(run_fails(&a, &["--prompt", "x", "--temperature=-1"]).contains("--temperature"));
+    // Sampling flags are refused as clap parses them (a usage error: rc 2), with their range,
+    // negative ones too (no `-- -1` advice).
+    for (flag, value, range) in [
+        ("--top-p", "0", "(0, 1]"),
+        ("--top-p", "1.5", "(0, 1]"),
+        ("--temperature", "-1", ">= 0"),
+        ("--temperature", "nan", ">= 0"),
+        ("--top-k", "-1", "whole number >= 0"),
+    ] {
+        let o = thin(&["run", utf8(&a), "--prompt", "x", flag, value]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{flag} {value}: {err}");
+        assert!(err.starts_with("error: ") && err.contains(flag) && err.contains(range) && !err.contains("-- -"), "{flag} {value}: {err}");
+    }
     // llama-tiny's context is 256 positions.
     let long = ids_arg(&vec![5u32; 300]);
     assert!(run_fails(&a, &["--prompt-ids", &long]).contains("max_seq 256"));
