@@ -346,3 +346,27 @@ fn real_gguf_converts() {
     assert_eq!(q["source_dtype"], "Q4_1");
     assert_eq!(q["exact_storage_preserved"], false);
 }
+
+/// A source whose chat template loops without end is refused by `convert` (the template is test
+/// rendered, under its instruction limit), naming the limit, quickly, and nothing is written.
+#[test]
+fn a_runaway_chat_template_is_refused_at_convert() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let src = tmp.path().join("llama-tiny");
+    std::fs::create_dir(&src).expect("mkdir");
+    for e in std::fs::read_dir(fixture_dir("llama-tiny")).expect("ls").filter_map(Result::ok) {
+        std::fs::copy(e.path(), src.join(e.file_name())).expect("copy");
+    }
+    let tc = src.join("tokenizer_config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&tc).expect("read")).expect("json");
+    cfg["chat_template"] = Value::from("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}");
+    std::fs::write(&tc, cfg.to_string()).expect("write");
+    let out = tmp.path().join("x.thin");
+    let t = std::time::Instant::now();
+    let o = thin(&["convert", src.to_str().expect("utf8"), "-o", out.to_str().expect("utf8"), "--quiet"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("chat template") && err.contains("instruction limit"), "{err}");
+    assert!(t.elapsed().as_secs_f64() < 10.0, "took {:?}", t.elapsed());
+    assert!(!out.exists());
+}

@@ -62,6 +62,8 @@ pub enum ConvertError {
     Name(#[from] NameError),
     #[error(transparent)]
     Format(#[from] FormatError),
+    #[error("the source's tokenizer: {0}")]
+    Tokenizer(#[from] crate::tokenizer::TokenizerError),
     #[error("tensor `{tensor}`: decoding {dtype}: {source}")]
     Codec { tensor: String, dtype: &'static str, source: CodecError },
     #[error("tensor `{tensor}` ({role} layer {layer:?}): shape {got:?}, the config says {expected:?}")]
@@ -413,6 +415,10 @@ pub fn convert_model(
     start: Instant,
 ) -> Result<ConvertReport, ConvertError> {
     let names = NameTable::for_family(opts.archs, model.arch.family)?;
+    // The tokenizer and chat template the archive will embed must load and render (bounded), so
+    // a broken or runaway one is refused here, not at a user's first `thin run`.
+    let tok = crate::tokenizer::TextTokenizer::from_info(&model.tokenizer)?;
+    tok.check_chat_template()?;
     let jobs = build_jobs(model, &names)?;
     let inputs: Vec<PlanInput<'_>> = jobs
         .iter()

@@ -15,6 +15,35 @@ pub enum TokenizerError {
     NoChatTemplate,
     #[error("chat template: {0}")]
     Template(String),
+    #[error("the archive's chat template exceeded its {what} limit ({limit}) while rendering: a template that loops or grows without end")]
+    TemplateLimit { what: &'static str, limit: u64 },
+}
+
+/// Instructions a chat template may execute per render: real templates take a few thousand for
+/// a long conversation; a looping one stops here in milliseconds.
+pub const CHAT_TEMPLATE_FUEL: u64 = 2_000_000;
+/// Bytes a rendered chat prompt may have (far above any context a model here takes).
+pub const CHAT_TEMPLATE_MAX_OUTPUT: usize = 8 << 20;
+
+/// A writer that refuses bytes past `limit` (the template stops at the first write past it).
+struct Bounded {
+    out: Vec<u8>,
+    limit: usize,
+    overflowed: bool,
+}
+
+impl std::io::Write for Bounded {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if self.out.len() + b.len() > self.limit {
+            self.overflowed = true;
+            return Err(std::io::Error::other("output limit"));
+        }
+        self.out.extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// One chat message as HF templates expect it (`{"role": ..., "content": ...}`).
@@ -78,6 +107,7 @@ impl TextTokenizer {
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, TokenizerError> {
         let template = self.chat_template.as_deref().ok_or(TokenizerError::NoChatTemplate)?;
         let mut env = minijinja::Environment::new();
+        env.set_fuel(Some(CHAT_TEMPLATE_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
@@ -85,13 +115,32 @@ impl TextTokenizer {
         env.add_template("chat", template).map_err(|e| TokenizerError::Template(e.to_string()))?;
         let tmpl = env.get_template("chat").map_err(|e| TokenizerError::Template(e.to_string()))?;
         let eos = self.token_text(self.eos_token_ids.first().copied());
-        tmpl.render(minijinja::context! {
+        let ctx = minijinja::context! {
             messages => messages,
             add_generation_prompt => true,
             bos_token => self.token_text(self.bos_token_id),
             eos_token => eos,
-        })
-        .map_err(|e| TokenizerError::Template(e.to_string()))
+        };
+        let mut out = Bounded { out: Vec::new(), limit: CHAT_TEMPLATE_MAX_OUTPUT, overflowed: false };
+        let rendered = tmpl.render_captured_to(ctx, &mut out).map(|_| ());
+        match rendered {
+            Ok(()) => String::from_utf8(out.out).map_err(|e| TokenizerError::Template(format!("renders invalid UTF-8: {e}"))),
+            Err(e) if e.kind() == minijinja::ErrorKind::OutOfFuel => Err(TokenizerError::TemplateLimit { what: "instruction", limit: CHAT_TEMPLATE_FUEL }),
+            Err(_) if out.overflowed => {
+                Err(TokenizerError::TemplateLimit { what: "output size", limit: CHAT_TEMPLATE_MAX_OUTPUT as u64 })
+            }
+            Err(e) => Err(TokenizerError::Template(e.to_string())),
+        }
+    }
+
+    /// Render the chat template once on a one-message conversation, as `thin run --chat` does: a
+    /// template that does not parse, raises, loops or grows without end is refused where it
+    /// enters (at convert), not when a user first chats. No template: nothing to check.
+    pub fn check_chat_template(&self) -> Result<(), TokenizerError> {
+        match self.render_chat(&[ChatMessage { role: "user".into(), content: "Hello".into() }]) {
+            Ok(_) | Err(TokenizerError::NoChatTemplate) => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 
     pub fn stream(&self) -> TokenStream<'_> {
@@ -140,6 +189,27 @@ mod tests {
             eos_token_ids: vec![2],
             add_bos: true,
         }
+    }
+
+    /// Templates that loop or grow without end stop at their limits with a typed error, quickly
+    /// and in bounded memory; a real template renders; the check passes without a template.
+    #[test]
+    fn runaway_chat_templates_hit_their_limits() {
+        let render = |tmpl: &str| TextTokenizer::from_info(&byte_level_info(Some(tmpl))).unwrap().render_chat(&[ChatMessage { role: "user".into(), content: "hi".into() }]);
+        let t = std::time::Instant::now();
+        match render("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}") {
+            Err(TokenizerError::TemplateLimit { what: "instruction", limit: CHAT_TEMPLATE_FUEL }) => {}
+            other => panic!("nested loop: {other:?}"),
+        }
+        match render("{% for i in range(1000) %}{{ 'x' * 100000 }}{% endfor %}") {
+            Err(e @ TokenizerError::TemplateLimit { what: "output size", .. }) => assert!(e.to_string().contains("chat template"), "{e}"),
+            other => panic!("100 MB of output: {other:?}"),
+        }
+        assert!(t.elapsed().as_secs_f64() < 5.0, "limits took {:?}", t.elapsed());
+        assert_eq!(render("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}").unwrap(), "<user>hi");
+        assert!(TextTokenizer::from_info(&byte_level_info(None)).unwrap().check_chat_template().is_ok());
+        let raises = TextTokenizer::from_info(&byte_level_info(Some("{{ raise_exception('no') }}"))).unwrap();
+        assert!(matches!(raises.check_chat_template(), Err(TokenizerError::Template(_))));
     }
 
     #[test]
