@@ -19,10 +19,11 @@
 //! `norm_residual` on sandwich archs), qk_rope_kv, attn_partial + attn_combine_rows, and
 //! prefill's rows_norm, the seven GEMMs, qk_rope_kv and attn_partial + attn_combine_rows over 7
 //! rows, and `norm_residual` over prefill rows where scheduled; a last check fails if any
-//! kernel the module defines never ran. The decode forms of qk_rope_kv, attn_partial and
+//! kernel instance the module defines never ran. The decode forms of qk_rope_kv, attn_partial and
 //! attn_combine_rows (over `Qkv` and the split partials) are launched by hand from the schedule's
-//! prefill launches: the split merge is only reached that way. Not covered: the f32-weight
-//! kernel instance (decode_f32.cu), the decode graph and the prefill pass as wholes.
+//! prefill launches: the split merge is only reached that way. Each arch runs twice: bf16 weights,
+//! then layer 0 and the embedding in f32 (every kernel instance of both types runs). Not covered:
+//! the decode graph and the prefill pass as wholes.
 #![cfg(feature = "cuda")]
 #![cfg_attr(not(any(feature = "smollm2-135m", feature = "llama3.2-1b", feature = "smollm3-3b", feature = "gemma3-270m")), allow(dead_code, unused_imports))]
 
