@@ -370,3 +370,27 @@ fn a_runaway_chat_template_is_refused_at_convert() {
     assert!(t.elapsed().as_secs_f64() < 10.0, "took {:?}", t.elapsed());
     assert!(!out.exists());
 }
+
+/// `convert` never writes over its own input: the GGUF file itself, a link to it, or a file of
+/// the HF directory being read; the source stays as it was.
+#[test]
+fn convert_refuses_to_write_over_its_input() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let gguf = tmp.path().join("m.gguf");
+    std::fs::write(&gguf, b"GGUF not really a model").expect("write");
+    let link = tmp.path().join("link.thin");
+    std::os::unix::fs::symlink(&gguf, &link).expect("symlink");
+    for out in [&gguf, &link] {
+        let o = thin(&["convert", gguf.to_str().expect("utf8"), "-o", out.to_str().expect("utf8"), "--quiet"]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(err.contains("would replace the model being read"), "{err}");
+    }
+    assert_eq!(std::fs::read(&gguf).expect("read"), b"GGUF not really a model");
+    let src = tmp.path().join("hf");
+    std::fs::create_dir(&src).expect("mkdir");
+    std::fs::copy(fixture_dir("llama-tiny").join("config.json"), src.join("config.json")).expect("copy");
+    let o = thin(&["convert", src.to_str().expect("utf8"), "-o", src.join("config.json").to_str().expect("utf8"), "--quiet"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("would replace the model being read"));
+    assert!(std::fs::read_to_string(src.join("config.json")).expect("read").contains("llama"));
+}

@@ -54,6 +54,8 @@ pub enum ConvertError {
     SourceNotFound { path: PathBuf },
     #[error("{path}: neither a .gguf file nor a Hugging Face model directory")]
     UnknownSource { path: PathBuf },
+    #[error("the output {out} is the source file {input} (or links to it): writing it would replace the model being read")]
+    OutputIsInput { out: PathBuf, input: PathBuf },
     #[error(transparent)]
     Safetensors(#[from] SafetensorsError),
     #[error(transparent)]
@@ -396,9 +398,23 @@ fn open_source(src: &Path) -> Result<Opened, ConvertError> {
     Ok(Opened::Gguf(GgufFile::open(src)?, name))
 }
 
+/// `out` must not be (or link to) the source file, nor a file of the source directory: the
+/// final rename would replace what is being read. Compared by canonical path, so links count.
+fn refuse_output_among_inputs(src: &Path, out: &Path) -> Result<(), ConvertError> {
+    let Ok(out_real) = out.canonicalize() else { return Ok(()) }; // no such file yet: nothing to replace
+    let src_real = src.canonicalize().unwrap_or_else(|_| src.to_path_buf());
+    let inside = src_real.is_dir() && out_real.parent() == Some(src_real.as_path());
+    if out_real == src_real || inside {
+        let input = if inside { out_real.clone() } else { src_real };
+        return Err(ConvertError::OutputIsInput { out: out.to_path_buf(), input });
+    }
+    Ok(())
+}
+
 /// Convert a `.gguf` file or a Hugging Face directory at `src` into the archive `out`.
 pub fn convert(src: &Path, out: &Path, opts: &ConvertOptions) -> Result<ConvertReport, ConvertError> {
     let start = Instant::now();
+    refuse_output_among_inputs(src, out)?;
     let opened = open_source(src)?;
     let model = match &opened {
         Opened::Gguf(g, name) => g.source_model(name)?,

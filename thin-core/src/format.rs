@@ -274,11 +274,11 @@ pub struct ArchiveWriter {
 }
 
 impl ArchiveWriter {
-    /// Creates `<final_path>.thin.tmp.<pid>` beside final_path, writes a zeroed header placeholder
-    /// and pads to PAGE_ALIGN.
+    /// Creates `<final_path>.tmp-<pid>` beside final_path, writes a zeroed header placeholder
+    /// and pads to PAGE_ALIGN. The temporary file is removed if the writer is dropped unfinished.
     pub fn create(final_path: &Path) -> Result<Self, FormatError> {
         let mut name = final_path.as_os_str().to_owned();
-        name.push(format!(".thin.tmp.{}", std::process::id()));
+        name.push(format!(".tmp-{}", std::process::id()));
         let tmp_path = PathBuf::from(name);
         let f = File::create(&tmp_path).map_err(io_err(&tmp_path))?;
         let mut w = ArchiveWriter {
