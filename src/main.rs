@@ -130,6 +130,17 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Run(args) => run::run(args),
         Command::Convert { src, out, profile, quiet } => {
+            // An interrupted convert removes its temporary file (the final name is only ever a
+            // whole archive: it is renamed into place at the end).
+            let _ = ctrlc::set_handler(|| {
+                for p in thin_core::format::remove_unfinished_temporaries() {
+                    eprintln!("interrupted: removed {}", p.display());
+                }
+                std::process::exit(130);
+            });
+            for p in thin_core::format::remove_stale_temporaries(&out) {
+                eprintln!("removed {}, left by a convert that was killed", p.display());
+            }
             let opts = ConvertOptions { profile: profile.into(), progress: !quiet, archs: thin_generated::KNOWN_ARCHS };
             let r = convert(&src, &out, &opts)
                 .with_context(|| format!("converting {} to {}", src.display(), out.display()))?;

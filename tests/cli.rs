@@ -394,3 +394,42 @@ fn convert_refuses_to_write_over_its_input() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("would replace the model being read"));
     assert!(std::fs::read_to_string(src.join("config.json")).expect("read").contains("llama"));
 }
+
+/// A convert killed mid-write (SIGTERM, as a shell's timeout or a service stop sends) removes its
+/// temporary file and leaves no archive under the final name; a temporary left by a convert
+/// that died without cleaning up (its process gone) is removed, and reported, by the next one.
+#[test]
+fn an_interrupted_convert_leaves_nothing_behind() {
+    let gguf = match std::env::var_os("THIN_SMOLLM2_GGUF") {
+        Some(p) => PathBuf::from(p),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    };
+    assert!(gguf.is_file(), "{} is missing: run scripts/fetch-smollm2.sh", gguf.display());
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let out = tmp.path().join("smol.thin");
+    let ls = || -> Vec<String> { std::fs::read_dir(tmp.path()).expect("ls").filter_map(Result::ok).map(|e| e.file_name().to_string_lossy().into_owned()).collect() };
+    // f32 writes 538 MB (about 2.6 s here): the signal lands while the temporary file grows.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_thin"))
+        .args(["convert", gguf.to_str().expect("utf8"), "-o", out.to_str().expect("utf8"), "--profile", "f32", "--quiet"])
+        .spawn()
+        .expect("spawn");
+    let tmp_name = format!("smol.thin.tmp-{}", child.id());
+    let t = std::time::Instant::now();
+    while !ls().contains(&tmp_name) && t.elapsed().as_secs() < 20 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(ls().contains(&tmp_name), "the temporary file never appeared: {:?}", ls());
+    let killed = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill");
+    assert!(killed.success());
+    let status = child.wait().expect("wait");
+    assert_eq!(status.code(), Some(130), "{status:?}");
+    assert!(ls().is_empty(), "left behind: {:?}", ls());
+
+    // A stale temporary of a process that no longer exists.
+    let stale = tmp.path().join("smol.thin.tmp-4194303");
+    std::fs::write(&stale, b"half an archive").expect("write");
+    let o = thin(&["convert", fixture_dir("llama-tiny").to_str().expect("utf8"), "-o", out.to_str().expect("utf8"), "--quiet"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("left by a convert that was killed"));
+    assert_eq!(ls(), ["smol.thin"]);
+}

@@ -273,6 +273,43 @@ pub struct ArchiveWriter {
     finished: bool,
 }
 
+/// Temporary archive files being written by this process: what an interrupt handler removes
+/// ([`remove_unfinished_temporaries`]) so a killed convert leaves no partial file behind.
+static UNFINISHED: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+
+fn unfinished() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
+    UNFINISHED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Remove every temporary archive file this process is still writing (for a SIGINT/SIGTERM
+/// handler, which then exits); returns them.
+pub fn remove_unfinished_temporaries() -> Vec<PathBuf> {
+    let paths = std::mem::take(&mut *unfinished());
+    for p in &paths {
+        let _ = std::fs::remove_file(p);
+    }
+    paths
+}
+
+/// Temporary files `<final_path>.tmp-<pid>` left beside `final_path` by writers that are gone (a
+/// killed convert: its process no longer exists), removed; returns them. Linux: liveness from `/proc`.
+pub fn remove_stale_temporaries(final_path: &Path) -> Vec<PathBuf> {
+    let (Some(dir), Some(name)) = (final_path.parent(), final_path.file_name()) else { return Vec::new() };
+    let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+    let prefix = format!("{}.tmp-", name.to_string_lossy());
+    let Ok(rd) = std::fs::read_dir(dir) else { return Vec::new() };
+    let mut removed = Vec::new();
+    for e in rd.flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = file.strip_prefix(&prefix).and_then(|p| p.parse::<u32>().ok()) else { continue };
+        let alive = pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists();
+        if !alive && std::fs::remove_file(e.path()).is_ok() {
+            removed.push(e.path());
+        }
+    }
+    removed
+}
+
 impl ArchiveWriter {
     /// Creates `<final_path>.tmp-<pid>` beside final_path, writes a zeroed header placeholder
     /// and pads to PAGE_ALIGN. The temporary file is removed if the writer is dropped unfinished.
@@ -281,6 +318,7 @@ impl ArchiveWriter {
         name.push(format!(".tmp-{}", std::process::id()));
         let tmp_path = PathBuf::from(name);
         let f = File::create(&tmp_path).map_err(io_err(&tmp_path))?;
+        unfinished().push(tmp_path.clone());
         let mut w = ArchiveWriter {
             file: Some(BufWriter::with_capacity(1 << 20, f)),
             tmp_path,
@@ -422,6 +460,7 @@ impl ArchiveWriter {
         drop(f);
         std::fs::rename(&self.tmp_path, &self.final_path).map_err(io_err(&self.final_path))?;
         self.finished = true;
+        unfinished().retain(|p| p != &self.tmp_path);
         #[cfg(unix)]
         if let Some(dir) = self.final_path.parent() {
             let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
@@ -438,6 +477,7 @@ impl Drop for ArchiveWriter {
         if !self.finished {
             self.file.take();
             let _ = std::fs::remove_file(&self.tmp_path);
+            unfinished().retain(|p| p != &self.tmp_path);
         }
     }
 }
