@@ -232,8 +232,7 @@ fn every_scheduled_kernel_waits_for_its_predecessor() {
         let core = &core[..core.find("\n}\n").unwrap()];
         let wait = core.find("pdl_enter();").expect("the matvec core calls pdl_enter");
         assert!(wait < core.find("stage();").unwrap(), "the matvec core waits before staging its input");
-        let prefill = a.schedule.prefill.iter().filter_map(|s| if let Step::Kernel(l) = s { Some(l) } else { None });
-        for l in a.schedule.decode.iter().chain(prefill) {
+        for l in a.schedule.launches() {
             // Every instance: one per weight type for a typed launch.
             let names: Vec<String> = match l.typed_by {
                 Some(_) => thin_core::cuda::plan::WEIGHT_TYPES.iter().map(|t| thin_core::cuda::plan::instance(l.kernel, *t)).collect(),

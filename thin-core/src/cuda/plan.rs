@@ -80,11 +80,26 @@ pub struct Schedule {
 }
 
 impl Schedule {
+    /// Every kernel launch: the decode step's, prefill's kernels (not its GEMMs), the epilogue's.
+    pub fn launches(&self) -> impl Iterator<Item = &Launch> {
+        let prefill = self.prefill.iter().filter_map(|s| match s {
+            Step::Kernel(l) => Some(l),
+            Step::Gemm(_) => None,
+        });
+        self.decode.iter().chain(prefill).chain(&self.epilogue)
+    }
+
+    fn gemms(&self) -> impl Iterator<Item = &Gemm> {
+        self.prefill.iter().filter_map(|s| match s {
+            Step::Gemm(g) => Some(g),
+            Step::Kernel(_) => None,
+        })
+    }
+
     /// Every kernel the schedule launches, each once, in first-use order.
     pub fn kernels(&self) -> Vec<&'static str> {
         let mut out = Vec::new();
-        let prefill = self.prefill.iter().filter_map(|s| if let Step::Kernel(l) = s { Some(l) } else { None });
-        for l in self.decode.iter().chain(prefill).chain(&self.epilogue) {
+        for l in self.launches() {
             if !out.contains(&l.kernel) {
                 out.push(l.kernel);
             }
@@ -92,43 +107,23 @@ impl Schedule {
         out
     }
 
-    /// Every weight the schedule reads, each once, in first-use order.
-    pub fn weights(&self) -> Vec<(Role, Option<u32>)> {
-        let mut out = weights_used(&self.decode);
-        for s in &self.prefill {
-            let w: Vec<(Role, Option<u32>)> = match s {
-                Step::Kernel(l) => weights_used(std::slice::from_ref(l)),
-                Step::Gemm(g) => vec![g.weight],
-            };
-            for x in w {
-                if !out.contains(&x) {
-                    out.push(x);
-                }
-            }
-        }
-        out
+    /// Every weight the schedule reads, each once, in first-use order (launches, then GEMMs).
+    pub fn weights(&self) -> Vec<WeightRef> {
+        let mut seen = std::collections::BTreeSet::new();
+        let args = self.launches().flat_map(|l| &l.args).filter_map(|a| match *a {
+            Arg::Weight(r, layer) => Some((r, layer)),
+            _ => None,
+        });
+        args.chain(self.gemms().map(|g| g.weight)).filter(|w| seen.insert(*w)).collect()
     }
 
     /// Every buffer a launch or GEMM names.
     pub fn buffers(&self) -> std::collections::BTreeSet<Buf> {
-        let mut out = std::collections::BTreeSet::new();
-        let mut args = |l: &Launch| {
-            for a in &l.args {
-                if let Arg::Buf(b) = a {
-                    out.insert(*b);
-                }
-            }
-        };
-        self.decode.iter().chain(&self.epilogue).for_each(&mut args);
-        let mut gemm_bufs = Vec::new();
-        for s in &self.prefill {
-            match s {
-                Step::Kernel(l) => args(l),
-                Step::Gemm(g) => gemm_bufs.extend([g.input, g.out]),
-            }
-        }
-        out.extend(gemm_bufs);
-        out
+        let args = self.launches().flat_map(|l| &l.args).filter_map(|a| match *a {
+            Arg::Buf(b) => Some(b),
+            _ => None,
+        });
+        args.chain(self.gemms().flat_map(|g| [g.input, g.out])).collect()
     }
 }
 
@@ -282,22 +277,6 @@ pub fn matvec_grid(in_features: usize, rows: usize, nr: usize, wbytes: usize, sm
     let per_block = (MATVEC_WARPS * 32 / matvec_group_threads(in_features, wbytes, nr)) as usize;
     let need = rows.div_ceil(per_block) as u32;
     (need.min(sm_count.max(1) * per_sm.max(1)).min(MATVEC_MAX_BLOCKS).max(1), 1, 1)
-}
-
-/// Every weight the launches read, each once, in first-use order.
-pub fn weights_used(launches: &[Launch]) -> Vec<(Role, Option<u32>)> {
-    let mut seen = std::collections::BTreeSet::new();
-    let mut out = Vec::new();
-    for l in launches {
-        for a in &l.args {
-            if let Arg::Weight(r, layer) = a {
-                if seen.insert((*r, *layer)) {
-                    out.push((*r, *layer));
-                }
-            }
-        }
-    }
-    out
 }
 
 /// Offsets of every buffer in one device arena, and the schedule's grids and values resolved for a

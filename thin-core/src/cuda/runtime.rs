@@ -317,9 +317,7 @@ fn compile(dev: &Device, arch: &CudaArch, layout: &Layout, timeline: bool, stats
     drv("binding the context", dev.ctx.bind_to_thread())?;
     let module = drv("loading the kernel module", unsafe { cu::module::load_data(cubin.as_ptr() as *const c_void) })?;
     let mut funcs = BTreeMap::new();
-    let s = &arch.schedule;
-    let prefill = s.prefill.iter().filter_map(|s| if let Step::Kernel(l) = s { Some(l) } else { None });
-    for l in s.decode.iter().chain(prefill).chain(&s.epilogue) {
+    for l in arch.schedule.launches() {
         let k = layout.kernel(l);
         if funcs.contains_key(&k) {
             continue;
@@ -344,8 +342,9 @@ fn upload_weights(dev: &Device, src: &dyn WeightSource, arch: &CudaArch, progres
     let mut sources = Vec::new();
     for (role, layer) in arch.schedule.weights() {
         // Norm vectors are f32 in every profile (the kernels read them as such).
-        if role.is_norm() && src.dtype(role, layer) != Some(DType::F32) {
-            return Err(CudaError::Weight { role, layer, msg: format!("stored as {:?}; the kernels read norm weights as f32", src.dtype(role, layer)) });
+        let stored = src.dtype(role, layer);
+        if role.is_norm() && stored != Some(DType::F32) {
+            return Err(CudaError::Weight { role, layer, msg: format!("stored as {stored:?}; the kernels read norm weights as f32") });
         }
         let bytes = src.bytes(role, layer).map_err(|msg| CudaError::Weight { role, layer, msg })?;
         let n = bytes.len();
