@@ -57,12 +57,13 @@ pub enum Error {
 }
 
 /// Where the engine runs. `Auto` takes CUDA in a `--features cuda` build when a GPU and driver
-/// answer, else says why once and uses the CPU.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// answer, else says why once and uses the CPU. (Also the CLI's `--backend`.)
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Backend {
     #[default]
     Auto,
     Cpu,
+    /// The GPU (a binary built with `--features cuda`).
     Cuda,
 }
 

@@ -69,7 +69,7 @@ enum Command {
     Bench {
         file: PathBuf,
         #[arg(long, value_enum, default_value = "cuda")]
-        backend: run::Backend,
+        backend: thin::Backend,
         /// KV-cache positions to allocate.
         #[arg(long, default_value_t = 4096)]
         ctx: usize,
@@ -166,7 +166,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Bench { file, backend, ctx, warmup, steps, pp, tg, reps, json, profile, timeline } => {
-            bench::bench(&file, &bench::BenchOptions { backend: backend.into(), ctx, warmup, steps, pp, tg, reps, json, profile, timeline })
+            bench::bench(&file, &bench::BenchOptions { backend, ctx, warmup, steps, pp, tg, reps, json, profile, timeline })
         }
         Command::Logits { file, ids, prompt_len, out, ctx, cpu } => bench::logits(&file, &ids, prompt_len, &out, ctx, cpu),
         Command::Verify { file } => {

@@ -9,25 +9,6 @@ use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use thin_core::sampler::SamplerConfig;
 
-/// Where the engine runs. `auto` picks the best backend built into this binary.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Backend {
-    Auto,
-    Cpu,
-    /// The GPU (a binary built with `--features cuda`).
-    Cuda,
-}
-
-impl From<Backend> for thin::Backend {
-    fn from(b: Backend) -> thin::Backend {
-        match b {
-            Backend::Auto => thin::Backend::Auto,
-            Backend::Cpu => thin::Backend::Cpu,
-            Backend::Cuda => thin::Backend::Cuda,
-        }
-    }
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum OutputFormat {
     /// The generated text on stdout as it is decoded; speeds on stderr.
@@ -65,7 +46,7 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     #[arg(long, value_enum, default_value = "auto")]
-    pub backend: Backend,
+    pub backend: thin::Backend,
     #[arg(long, value_enum, default_value = "text")]
     pub format: OutputFormat,
 }
@@ -96,7 +77,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     if a.prompt.as_deref() == Some("") {
         bail!("--prompt is empty");
     }
-    let mut session = thin::open(&a.model, &thin::Options { backend: a.backend.into(), progress: true, ..Default::default() })
+    let mut session = thin::open(&a.model, &thin::Options { backend: a.backend, progress: true, ..Default::default() })
         .with_context(|| format!("no engine for {}", a.model.display()))?;
     let prompt_ids = match (&a.prompt_ids, &a.prompt) {
         (Some(ids), _) => ids.clone(),
