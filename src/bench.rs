@@ -40,7 +40,7 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     let mut session = thin::open(file, &thin::Options { backend: opts.backend, ctx: Some(opts.ctx), progress: !opts.json, timeline: opts.timeline })
         .with_context(|| format!("opening {}", file.display()))?;
     let m = session.archive().manifest();
-    let vocab = m.arch.vocab_size as usize;
+    let vocab = m.arch.dims.vocab_size as usize;
     let profile = m.tensor(Role::TokenEmbd, None).map(|t| t.dtype.name()).unwrap_or("?");
     let (name, backend) = (session.arch(), session.backend());
     let hello = session.prompt("Hello", false).context("encoding the prompt")?;

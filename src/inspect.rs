@@ -125,24 +125,24 @@ pub fn to_text(a: &Archive) -> String {
         "          manifest {}+{}, page table {}, data {}",
         h.manifest_off, h.manifest_len, h.page_table_off, h.data_off
     );
-    let _ = writeln!(s, "arch      {} (fingerprint {})", c.family.name(), m.shape_fingerprint);
+    let _ = writeln!(s, "arch      {} (fingerprint {})", c.dims.family.name(), m.shape_fingerprint);
     let _ = writeln!(
         s,
         "dims      vocab {} hidden {} layers {} heads {} kv_heads {} head_dim {} intermediate {} tied {}",
-        c.vocab_size,
-        c.hidden_size,
-        c.num_layers,
-        c.num_heads,
-        c.num_kv_heads,
-        c.head_dim,
-        c.intermediate_size,
-        c.tie_word_embeddings
+        c.dims.vocab_size,
+        c.dims.hidden_size,
+        c.dims.num_layers,
+        c.dims.num_heads,
+        c.dims.num_kv_heads,
+        c.dims.head_dim,
+        c.dims.intermediate_size,
+        c.dims.tie_word_embeddings
     );
     if let Some(moe) = &c.moe {
         let _ = writeln!(
             s,
             "moe       experts {} top_k {} norm_topk_prob {}",
-            moe.num_experts, moe.top_k, moe.norm_topk_prob
+            c.dims.num_experts, c.dims.top_k, moe.norm_topk_prob
         );
     }
     let _ = write!(s, "rope      theta {}", c.rope.theta);

@@ -147,7 +147,7 @@ fn open_cuda(archive: &Archive, opts: &CudaOptions) -> Result<Box<dyn LoadedEngi
     // cuda_arch picks by shape alone; the engine's baked-in constants must be the archive's too.
     thin_core::engine::check_known_math(m, thin_generated::KNOWN_ARCHS)?;
     let arch = thin_generated::cuda_arch(&m.shape_fingerprint).ok_or_else(|| Error::NoCudaEngine {
-        archive: format!("{:?}, {} layers, hidden {}, shape fingerprint {}", m.arch.family, m.arch.num_layers, m.arch.hidden_size, m.shape_fingerprint),
+        archive: format!("{:?}, {} layers, hidden {}, shape fingerprint {}", m.arch.dims.family, m.arch.dims.num_layers, m.arch.dims.hidden_size, m.shape_fingerprint),
         features: thin_generated::AVAILABLE_FEATURES.join(", "),
     })?;
     let arch = arch.map_err(|e| Error::Cuda(e.to_string()))?;

@@ -315,7 +315,8 @@ fn olmoe_fixture_experts_are_stacked_in_order() {
     let out = tmp.path().join("o.thin");
     convert_dir(&dir, &out, "f32");
     let a = Archive::open(&out).expect("open");
-    let experts = a.manifest().arch.moe.as_ref().expect("moe").num_experts;
+    let experts = a.manifest().arch.dims.num_experts;
+    assert!(a.manifest().arch.moe.is_some());
     for (role, hf) in [(Role::MoeGate, "gate_proj"), (Role::MoeUp, "up_proj"), (Role::MoeDown, "down_proj")] {
         let want: Vec<f32> = (0..experts)
             .flat_map(|e| source_f32(&dir, &format!("model.layers.1.mlp.experts.{e}.{hf}.weight")))

@@ -211,10 +211,10 @@ struct RandomWeights {
 
 impl RandomWeights {
     fn new(a: &CudaArch, seed: u64, mixed: bool) -> RandomWeights {
-        let (h, q, kv) = (a.hidden, a.heads * a.head_dim, a.kv_heads * a.head_dim);
-        let mut shapes = vec![(Role::TokenEmbd, a.vocab, h), (Role::OutputNorm, 1, h)];
+        let (h, q, kv) = ((a.dims.hidden_size as usize), (a.dims.num_heads as usize) * (a.dims.head_dim as usize), (a.dims.num_kv_heads as usize) * (a.dims.head_dim as usize));
+        let mut shapes = vec![(Role::TokenEmbd, (a.dims.vocab_size as usize), h), (Role::OutputNorm, 1, h)];
         if reads(a, Role::LmHead) {
-            shapes.push((Role::LmHead, a.vocab, h));
+            shapes.push((Role::LmHead, (a.dims.vocab_size as usize), h));
         }
         let mut per_layer = vec![
             (Role::AttnNorm, 1, h),
@@ -223,12 +223,12 @@ impl RandomWeights {
             (Role::AttnV, kv, h),
             (Role::AttnO, h, q),
             (Role::FfnNorm, 1, h),
-            (Role::FfnGate, a.ffn, h),
-            (Role::FfnUp, a.ffn, h),
-            (Role::FfnDown, h, a.ffn),
+            (Role::FfnGate, (a.dims.intermediate_size as usize), h),
+            (Role::FfnUp, (a.dims.intermediate_size as usize), h),
+            (Role::FfnDown, h, (a.dims.intermediate_size as usize)),
         ];
         if reads(a, Role::AttnQNorm) {
-            per_layer.extend([(Role::AttnQNorm, 1, a.head_dim), (Role::AttnKNorm, 1, a.head_dim)]);
+            per_layer.extend([(Role::AttnQNorm, 1, (a.dims.head_dim as usize)), (Role::AttnKNorm, 1, (a.dims.head_dim as usize))]);
         }
         if reads(a, Role::AttnPostNorm) {
             per_layer.extend([(Role::AttnPostNorm, 1, h), (Role::FfnPostNorm, 1, h)]);
@@ -426,7 +426,7 @@ impl<'a> T<'a> {
                 match l.kernel {
                     "qk_rope_kv" => d.args[0] = Arg::Buf(Buf::Qkv),
                     "attn_partial" => {
-                        d.grid = Grid::HeadSplits { heads: a.heads };
+                        d.grid = Grid::HeadSplits { heads: (a.dims.num_heads as usize) };
                         (d.args[0], d.args[5], d.args[6]) = (Arg::Buf(Buf::Qkv), Arg::I32(plan::ATTN_CHUNK as i32), Arg::Buf(Buf::Part));
                     }
                     "attn_combine_rows" => (d.args[0], d.args[1]) = (Arg::Buf(Buf::Part), Arg::I32(splits)),
@@ -441,7 +441,7 @@ impl<'a> T<'a> {
                 tables.insert(t, cpu::rope_tables(inv, CTX));
             }
         }
-        let (qd, kvd) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
+        let (qd, kvd) = ((a.dims.num_heads as usize) * (a.dims.head_dim as usize), (a.dims.num_kv_heads as usize) * (a.dims.head_dim as usize));
         T {
             a,
             r,
@@ -458,11 +458,11 @@ impl<'a> T<'a> {
             rng: Rng::new(seed),
             checks: Vec::new(),
             ran: BTreeSet::new(),
-            h: a.hidden,
+            h: (a.dims.hidden_size as usize),
             qd,
             kvd,
-            hd: a.head_dim,
-            ffn: a.ffn,
+            hd: (a.dims.head_dim as usize),
+            ffn: (a.dims.intermediate_size as usize),
         }
     }
 
@@ -572,12 +572,12 @@ impl<'a> T<'a> {
         k.insert("EMB_SCALE", traits("bf16")["EMB_SCALE"]);
         let a = self.a;
         let want = [
-            ("VOCAB", a.vocab as f64),
-            ("HIDDEN", a.hidden as f64),
-            ("HEADS", a.heads as f64),
-            ("KV_HEADS", a.kv_heads as f64),
-            ("HEAD_DIM", a.head_dim as f64),
-            ("FFN", a.ffn as f64),
+            ("VOCAB", (a.dims.vocab_size as usize) as f64),
+            ("HIDDEN", (a.dims.hidden_size as usize) as f64),
+            ("HEADS", (a.dims.num_heads as usize) as f64),
+            ("KV_HEADS", (a.dims.num_kv_heads as usize) as f64),
+            ("HEAD_DIM", (a.dims.head_dim as usize) as f64),
+            ("FFN", (a.dims.intermediate_size as usize) as f64),
             ("EPS", self.r.eps as f64),
             ("EMB_SCALE", self.r.emb_scale as f64),
             ("EMB_SCALE_F32", self.r.emb_scale_f32 as f64),
@@ -611,7 +611,7 @@ impl<'a> T<'a> {
 
     fn embed(&mut self) {
         let la = find(&self.fused, "embed", None);
-        for tok in [self.rng.below(self.a.vocab), self.a.vocab - 1] {
+        for tok in [self.rng.below(self.a.dims.vocab_size as usize), (self.a.dims.vocab_size as usize) - 1] {
             self.put_i32(Buf::Tok, &[tok as i32]);
             let poison = self.rand(self.h, 1.0);
             self.put(Buf::X, &poison);
@@ -627,7 +627,7 @@ impl<'a> T<'a> {
     /// argmax_step over those candidates.
     fn norm_lm_head(&mut self) {
         let la = find(&self.fused, "norm_lm_head", None);
-        let vocab = self.a.vocab;
+        let vocab = self.a.dims.vocab_size as usize;
         let x = self.rand(self.h, 2.0);
         self.put(Buf::X, &x);
         self.run(&la, 1);
@@ -657,7 +657,7 @@ impl<'a> T<'a> {
     fn argmax_step(&mut self) {
         let la = find(&self.fused, "argmax_step", None);
         let Some(blocks) = self.e.layout().value(la.args[1], 1) else { panic!("argmax_step: argument 1 is not the candidate count") };
-        let (vocab, max) = (self.a.vocab, plan::MATVEC_MAX_BLOCKS as usize);
+        let (vocab, max) = ((self.a.dims.vocab_size as usize), plan::MATVEC_MAX_BLOCKS as usize);
         assert!(blocks >= 3 && max < vocab);
         let mut ids: Vec<i32> = (0..vocab as i32).collect();
         for case in ["random", "tie (lower index later) + NaN", "MATVEC_MAX_BLOCKS, best last"] {
@@ -697,8 +697,8 @@ impl<'a> T<'a> {
         let la = find(&self.unfused, "attn_combine_rows", None);
         let (hd, splits) = (self.hd, self.e.layout().splits);
         let st = hd + 2;
-        let mut part = vec![0.0f32; self.a.heads * splits * st];
-        let mut want = vec![0.0f32; self.a.heads * hd];
+        let mut part = vec![0.0f32; (self.a.dims.num_heads as usize) * splits * st];
+        let mut want = vec![0.0f32; (self.a.dims.num_heads as usize) * hd];
         for (ps, out) in part.chunks_mut(splits * st).zip(want.chunks_mut(hd)) {
             let keep = self.rng.below(splits);
             for (s, e) in ps.chunks_mut(st).enumerate() {
@@ -738,7 +738,7 @@ impl<'a> T<'a> {
     }
 
     fn attn_ref(&self, q: &[f32], k: &[f32], v: &[f32], pos: usize, window: Option<usize>) -> Vec<f32> {
-        let p = AttnParams { num_heads: self.a.heads, num_kv_heads: self.a.kv_heads, head_dim: self.hd, scale: self.r.attn_scale, window, softcap: None };
+        let p = AttnParams { num_heads: (self.a.dims.num_heads as usize), num_kv_heads: (self.a.dims.num_kv_heads as usize), head_dim: self.hd, scale: self.r.attn_scale, window, softcap: None };
         let mut out = vec![0.0; q.len()];
         cpu::attention(q, k, v, pos, p, &mut out);
         out
@@ -774,7 +774,7 @@ impl<'a> T<'a> {
         let qkv = self.rand_qkv(1);
         self.put(Buf::Qkv, &qkv);
         self.put_i32(Buf::Pos, &[pos as i32]);
-        self.put_i32(Buf::AttnCount, &vec![0; self.a.heads]);
+        self.put_i32(Buf::AttnCount, &vec![0; self.a.dims.num_heads as usize]);
         let poison = self.rand(self.qd, 1.0);
         self.put(Buf::Att, &poison);
         self.run(&la, 1);
@@ -872,7 +872,7 @@ impl<'a> T<'a> {
 
     fn rows_embed(&mut self) {
         let la = find(&self.prefill, "rows_embed", None);
-        let (h, vocab) = (self.h, self.a.vocab);
+        let (h, vocab) = (self.h, (self.a.dims.vocab_size as usize));
         let mut toks: Vec<i32> = (0..ROWS).map(|_| self.rng.below(vocab) as i32).collect();
         (toks[0], toks[ROWS - 1]) = (0, vocab as i32 - 1);
         self.put_i32(Buf::PToks, &toks);

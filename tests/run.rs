@@ -201,7 +201,7 @@ fn with_arch(src: &Path, out: &Path, change: impl FnOnce(&mut thin_core::arch::A
     for t in &a.manifest().tensors {
         w.add_tensor(t.clone(), a.tensor_bytes(t).expect("bytes")).expect("add");
     }
-    for l in a.manifest().arch.num_layers..m.arch.num_layers {
+    for l in a.manifest().arch.dims.num_layers..m.arch.dims.num_layers {
         for t in a.manifest().tensors.iter().filter(|t| t.layer == Some(0)) {
             let mut e = t.clone();
             e.layer = Some(l as u32);
@@ -230,8 +230,8 @@ fn arch_mismatch_names_both_archs_and_fingerprints() {
     // An archive with llama3.2-1b's shapes, which this build has no engine for.
     let big = tmp.path().join("llama3.2-1b.thin");
     with_arch(&tiny, &big, |a| {
-        (a.vocab_size, a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads) = (128256, 2048, 16, 32, 8);
-        (a.head_dim, a.intermediate_size, a.tie_word_embeddings) = (64, 8192, true);
+        (a.dims.vocab_size, a.dims.hidden_size, a.dims.num_layers, a.dims.num_heads, a.dims.num_kv_heads) = (128256, 2048, 16, 32, 8);
+        (a.dims.head_dim, a.dims.intermediate_size, a.dims.tie_word_embeddings) = (64, 8192, true);
     });
     let known = thin_generated::KNOWN_ARCHS.iter().find(|k| k.name == "llama3.2-1b").expect("known");
     assert_eq!(Archive::open(&big).expect("open").manifest().shape_fingerprint, known.fingerprint, "dims of llama3.2-1b");
@@ -242,7 +242,7 @@ fn arch_mismatch_names_both_archs_and_fingerprints() {
 
     // Llama-family shapes that no description has: both fingerprints are named.
     let odd = tmp.path().join("odd.thin");
-    with_arch(&tiny, &odd, |a| a.intermediate_size = 96);
+    with_arch(&tiny, &odd, |a| a.dims.intermediate_size = 96);
     let odd_fp = Archive::open(&odd).expect("open").manifest().shape_fingerprint.clone();
     let err = run_fails(&odd, &["--prompt", "hi"]);
     assert!(err.contains(&odd_fp) && err.contains(thin_generated::llama_tiny::SHAPE_FINGERPRINT), "{err}");

@@ -3,6 +3,7 @@
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
 
+use thin_core::arch::ShapeDims;
 use thin_core::role::Role;
 
 use crate::description::*;
@@ -279,14 +280,27 @@ fn emit_op_batch(op: &Op, layer: Option<u64>, eps: f32, sl: &mut Slots) -> Token
     }
 }
 
+/// `d` as a `ShapeDims` constant expression.
+fn dims_tokens(d: &ShapeDims) -> TokenStream {
+    let family = format_ident!("{}", format!("{:?}", d.family));
+    let ShapeDims { vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, head_dim, intermediate_size, num_experts, top_k, tie_word_embeddings, .. } = d;
+    quote! {
+        thin_core::arch::ShapeDims {
+            family: thin_core::arch::Family::#family,
+            vocab_size: #vocab_size, hidden_size: #hidden_size, num_layers: #num_layers,
+            num_heads: #num_heads, num_kv_heads: #num_kv_heads, head_dim: #head_dim,
+            intermediate_size: #intermediate_size, num_experts: #num_experts, top_k: #top_k,
+            tie_word_embeddings: #tie_word_embeddings,
+        }
+    }
+}
+
 /// The Rust module for one description.
 pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
     let a = &d.attention;
     let u = |x: u64| lit_u(x);
-    let (vocab, hidden, layers, heads, kv, hd, ffn) = (u(d.dims.vocab_size), u(d.dims.hidden_size), u(d.dims.num_layers), u(a.num_heads), u(a.num_kv_heads), u(a.head_dim), u(d.dims.intermediate_size));
+    let dims = dims_tokens(&shape_dims(d));
     let max_seq = u(d.dims.max_position_embeddings.min(4096));
-    let experts = u(d.moe.as_ref().map_or(0, |m| m.num_experts));
-    let top_k = u(d.moe.as_ref().map_or(0, |m| m.top_k));
     let fp = &plan.fingerprint;
     let eps = d.norm.eps as f32;
     let name = &d.model.name;
@@ -330,19 +344,23 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
         #![allow(clippy::all, unused_imports, dead_code)]
         use thin_core::engine::{EngineError, Weights};
 
-        /// Every dim of the architecture, as consts.
+        /// The model's dimensions; the archive must carry the same (see [`SHAPE_FINGERPRINT`]).
+        pub const DIMS: thin_core::arch::ShapeDims = #dims;
+
+        /// The dims as the engine's array sizes.
         pub mod consts {
-            pub const VOCAB: usize = #vocab;
-            pub const HIDDEN: usize = #hidden;
-            pub const NUM_LAYERS: usize = #layers;
-            pub const NUM_HEADS: usize = #heads;
-            pub const NUM_KV_HEADS: usize = #kv;
-            pub const HEAD_DIM: usize = #hd;
-            pub const Q_DIM: usize = NUM_HEADS * HEAD_DIM;
-            pub const KV_DIM: usize = NUM_KV_HEADS * HEAD_DIM;
-            pub const FFN: usize = #ffn;
-            pub const NUM_EXPERTS: usize = #experts;
-            pub const TOP_K: usize = #top_k;
+            use super::DIMS;
+            pub const VOCAB: usize = DIMS.vocab_size as usize;
+            pub const HIDDEN: usize = DIMS.hidden_size as usize;
+            pub const NUM_LAYERS: usize = DIMS.num_layers as usize;
+            pub const NUM_HEADS: usize = DIMS.num_heads as usize;
+            pub const NUM_KV_HEADS: usize = DIMS.num_kv_heads as usize;
+            pub const HEAD_DIM: usize = DIMS.head_dim as usize;
+            pub const Q_DIM: usize = DIMS.q_dim() as usize;
+            pub const KV_DIM: usize = DIMS.kv_dim() as usize;
+            pub const FFN: usize = DIMS.intermediate_size as usize;
+            pub const NUM_EXPERTS: usize = DIMS.num_experts as usize;
+            pub const TOP_K: usize = DIMS.top_k as usize;
             pub const MAX_SEQ: usize = #max_seq;
             pub const RMS_EPS: f32 = #eps;
             pub const ATTN_SOFTCAP: Option<f32> = #attn_softcap;

@@ -14,7 +14,7 @@ use crate::schedule::{schedule_tokens, ScheduleParts, Unsupported};
 pub fn emit_cuda_module(d: &Description, plan: &Plan, schedule: &Result<ScheduleParts, Unsupported>) -> TokenStream {
     let a = &d.attention;
     let u = |x: u64| lit_u(x);
-    let (vocab, hidden, heads, kv, hd, ffn) = (u(d.dims.vocab_size), u(d.dims.hidden_size), u(a.num_heads), u(a.num_kv_heads), u(a.head_dim), u(d.dims.intermediate_size));
+    let hd = u(a.head_dim);
     let max_pos = u(d.dims.max_position_embeddings);
     let inv = |t: f64| inv_freq_tokens(d, t, hd.clone());
     let (inv_g, inv_l) = (inv(d.rope.theta), inv(d.rope.local_theta.unwrap_or(d.rope.theta)));
@@ -27,12 +27,7 @@ pub fn emit_cuda_module(d: &Description, plan: &Plan, schedule: &Result<Schedule
                 Ok(CudaArch {
                     arch: super::ARCH,
                     fingerprint: super::SHAPE_FINGERPRINT,
-                    vocab: #vocab,
-                    hidden: #hidden,
-                    heads: #heads,
-                    kv_heads: #kv,
-                    head_dim: #hd,
-                    ffn: #ffn,
+                    dims: super::DIMS,
                     max_positions: #max_pos,
                     inv_freq_global: #inv_g,
                     inv_freq_local: #inv_l,

@@ -6,6 +6,7 @@
 use proc_macro2::TokenStream;
 use quote::quote;
 use thin_core::cuda::plan::{Arg, Buf, Gemm, Grid, Launch, RopeTable, Schedule, Step, WeightRef, ATTN_WARPS, MATVEC_WARPS};
+use thin_core::arch::ShapeDims;
 use thin_core::role::Role;
 
 use crate::description::*;
@@ -22,16 +23,6 @@ fn role(name: &str) -> Role {
     Role::from_name(name).expect("the plan names only known roles")
 }
 
-/// Shapes the lowering needs (the plan's ops carry the rest).
-struct Dims {
-    hidden: usize,
-    q: usize,
-    kv: usize,
-    heads: usize,
-    head_dim: usize,
-    ffn: usize,
-    vocab: usize,
-}
 
 /// The ops of one layer (or the prologue/epilogue), taken front to back.
 struct Ops<'a> {
@@ -128,13 +119,13 @@ impl Out {
 
 /// One layer's ops as kernels: norm + q/k/v; QK-norm + RoPE + KV write + split attention; O
 /// projection into the residual; norm + gate/up + activation; down into the residual.
-fn lower_layer(lp: &LayerPlan, d: &Dims) -> Result<Out, Unsupported> {
+fn lower_layer(lp: &LayerPlan, d: &ShapeDims) -> Result<Out, Unsupported> {
     let mut ops = Ops { ops: &lp.ops, at: 0 };
     let mut out = Out::default();
     let l = lp.layer as usize;
     let li = Some(lp.layer as u32);
     let w = |r: Role| Arg::Weight(r, li);
-    let (h, q, kv) = (d.hidden, d.q, d.kv);
+    let (h, q, kv) = (d.hidden_size as usize, d.q_dim() as usize, d.kv_dim() as usize);
 
     // norm + q, k, v
     let norm = ops.take(|o| match o {
@@ -158,7 +149,7 @@ fn lower_layer(lp: &LayerPlan, d: &Dims) -> Result<Out, Unsupported> {
     // [per-head QK-norm] [RoPE] KV write, attention
     let head_norm = |buf: &'static str| {
         move |o: &Op| match o {
-            Op::QkNorm { weight, buf: b, dim, total } if b == buf && *dim as usize == d.head_dim && total % dim == 0 => Some(role(weight)),
+            Op::QkNorm { weight, buf: b, dim, total } if b == buf && *dim == d.head_dim && total % dim == 0 => Some(role(weight)),
             _ => None,
         }
     };
@@ -198,13 +189,13 @@ fn lower_layer(lp: &LayerPlan, d: &Dims) -> Result<Out, Unsupported> {
     let (kc, vc, use_rope) = (Arg::Buf(Buf::KCache(l)), Arg::Buf(Buf::VCache(l)), Arg::I32(rope.is_some() as i32));
     out.k(
         "attn_decode",
-        (None, Grid::HeadSplits { heads: d.heads }),
+        (None, Grid::HeadSplits { heads: d.num_heads as usize }),
         ATTN_WARPS * 32,
         vec![Arg::Buf(Buf::Qkv), qn, kn, cos, sin, Arg::Buf(Buf::Pos), kc, vc, use_rope, window, Arg::Buf(Buf::Part), Arg::Buf(Buf::AttnCount), Arg::Buf(Buf::Att)],
     );
     out.pk("qk_rope_kv", (None, Grid::Rows), 256, vec![Arg::Buf(Buf::PQkv), qn, kn, cos, sin, Arg::Buf(Buf::Pos), kc, vc, use_rope]);
-    out.pk("attn_partial", (None, Grid::HeadRowsZ { heads: d.heads }), ATTN_WARPS * 32, vec![Arg::Buf(Buf::PQkv), kc, vc, Arg::Buf(Buf::Pos), window, Arg::Ctx, Arg::Buf(Buf::PPart)]);
-    out.pk("attn_combine_rows", (Some((wo, li)), Grid::HeadRowsY { heads: d.heads }), d.head_dim as u32, vec![Arg::Buf(Buf::PPart), Arg::I32(1), Arg::Buf(Buf::PAtt)]);
+    out.pk("attn_partial", (None, Grid::HeadRowsZ { heads: d.num_heads as usize }), ATTN_WARPS * 32, vec![Arg::Buf(Buf::PQkv), kc, vc, Arg::Buf(Buf::Pos), window, Arg::Ctx, Arg::Buf(Buf::PPart)]);
+    out.pk("attn_combine_rows", (Some((wo, li)), Grid::HeadRowsY { heads: d.num_heads as usize }), d.head_dim as u32, vec![Arg::Buf(Buf::PPart), Arg::I32(1), Arg::Buf(Buf::PAtt)]);
     out.push_residual(r, ("o_residual", "o_proj"), Buf::Att, (wo, li), Buf::PAtt, h, q);
 
     // norm + gate/up + activation, then down into the residual
@@ -214,7 +205,7 @@ fn lower_layer(lp: &LayerPlan, d: &Dims) -> Result<Out, Unsupported> {
     });
     let mlp = ops.take(|o| matches!(o, Op::Mlp { .. }).then_some(()));
     let (Some(ffn_norm), Some(())) = (ffn_norm, mlp) else { return Err(ops.refuse()) };
-    let (ffn, gate, up, down) = (d.ffn, Role::FfnGate, Role::FfnUp, Role::FfnDown);
+    let (ffn, gate, up, down) = (d.intermediate_size as usize, Role::FfnGate, Role::FfnUp, Role::FfnDown);
     out.k("norm_gateup", mv((gate, li), h, ffn, 2), MV, vec![Arg::Buf(Buf::X), w(ffn_norm), w(gate), w(up), Arg::Buf(Buf::Act)]);
     out.pk("rows_norm", (Some((gate, li)), Grid::Rows), 256, vec![Arg::Buf(Buf::PX), w(ffn_norm), Arg::Buf(Buf::PXn)]);
     out.gemm((gate, li), Buf::PXn, Buf::PGate, 0, ffn, ffn, h, false);
@@ -226,20 +217,20 @@ fn lower_layer(lp: &LayerPlan, d: &Dims) -> Result<Out, Unsupported> {
     if ops.done() { Ok(out) } else { Err(ops.refuse()) }
 }
 
-fn lower_prologue(ops: &[Op], d: &Dims) -> Result<Out, Unsupported> {
+fn lower_prologue(ops: &[Op], d: &ShapeDims) -> Result<Out, Unsupported> {
     let mut ops = Ops { ops, at: 0 };
     ops.take(|o| matches!(o, Op::Embed { out, .. } if out == "x").then_some(())).ok_or_else(|| ops.refuse())?;
     let mut out = Out::default();
     let table = Arg::Weight(Role::TokenEmbd, None);
     let typed = Some((Role::TokenEmbd, None));
-    out.k("embed", (typed, Grid::Fixed(d.hidden.div_ceil(256) as u32, 1, 1)), 256, vec![table, Arg::Buf(Buf::Tok), Arg::Buf(Buf::X)]);
+    out.k("embed", (typed, Grid::Fixed((d.hidden_size as usize).div_ceil(256) as u32, 1, 1)), 256, vec![table, Arg::Buf(Buf::Tok), Arg::Buf(Buf::X)]);
     out.pk("rows_embed", (typed, Grid::Rows), 256, vec![table, Arg::Buf(Buf::PToks), Arg::Buf(Buf::PX)]);
     if ops.done() { Ok(out) } else { Err(ops.refuse()) }
 }
 
 /// Final norm + LM head (each block keeps its best logit), then the argmax over the blocks'
 /// candidates, which writes the next token and advances the position.
-fn lower_epilogue(ops: &[Op], d: &Dims) -> Result<Vec<Launch>, Unsupported> {
+fn lower_epilogue(ops: &[Op], d: &ShapeDims) -> Result<Vec<Launch>, Unsupported> {
     let mut ops = Ops { ops, at: 0 };
     let norm = ops.take(|o| match o {
         Op::RmsNorm { weight, input, out, .. } if input == "x" && out == "xn" => Some(role(weight)),
@@ -253,7 +244,7 @@ fn lower_epilogue(ops: &[Op], d: &Dims) -> Result<Vec<Launch>, Unsupported> {
     if !ops.done() {
         return Err(ops.refuse());
     }
-    let (typed_by, grid) = mv((head, None), d.hidden, d.vocab, 1);
+    let (typed_by, grid) = mv((head, None), d.hidden_size as usize, d.vocab_size as usize, 1);
     Ok(vec![
         Launch {
             kernel: "norm_lm_head",
@@ -291,16 +282,7 @@ impl ScheduleParts {
 
 /// The CUDA schedule of a plan in its pieces, or the first op the kernels cannot run.
 pub fn cuda_schedule_parts(desc: &Description, plan: &Plan) -> Result<ScheduleParts, Unsupported> {
-    let a = &desc.attention;
-    let d = Dims {
-        hidden: desc.dims.hidden_size as usize,
-        q: (a.num_heads * a.head_dim) as usize,
-        kv: (a.num_kv_heads * a.head_dim) as usize,
-        heads: a.num_heads as usize,
-        head_dim: a.head_dim as usize,
-        ffn: desc.dims.intermediate_size as usize,
-        vocab: desc.dims.vocab_size as usize,
-    };
+    let d = crate::description::shape_dims(desc);
     Ok(ScheduleParts {
         prologue: lower_prologue(&plan.prologue, &d)?,
         layers: plan.layers.iter().map(|lp| lower_layer(lp, &d)).collect::<Result<_, _>>()?,

@@ -137,14 +137,14 @@ fn archive(name: &str, dir: &tempfile::TempDir) -> Archive {
 }
 
 fn expected_elems(a: &CudaArch, role: Role) -> usize {
-    let (q, kv, h) = (a.heads * a.head_dim, a.kv_heads * a.head_dim, a.hidden);
+    let (q, kv, h) = ((a.dims.num_heads as usize) * (a.dims.head_dim as usize), (a.dims.num_kv_heads as usize) * (a.dims.head_dim as usize), (a.dims.hidden_size as usize));
     match role {
-        Role::TokenEmbd | Role::LmHead => a.vocab * h,
+        Role::TokenEmbd | Role::LmHead => (a.dims.vocab_size as usize) * h,
         Role::AttnQ => q * h,
         Role::AttnK | Role::AttnV => kv * h,
         Role::AttnO => h * q,
-        Role::FfnGate | Role::FfnUp | Role::FfnDown => a.ffn * h,
-        Role::AttnQNorm | Role::AttnKNorm => a.head_dim,
+        Role::FfnGate | Role::FfnUp | Role::FfnDown => (a.dims.intermediate_size as usize) * h,
+        Role::AttnQNorm | Role::AttnKNorm => a.dims.head_dim as usize,
         _ => h,
     }
 }
@@ -156,7 +156,7 @@ fn check(name: &str, arch: Result<CudaArch, PlanError>) {
     let m = ar.manifest();
     assert_eq!(m.shape_fingerprint, arch.fingerprint, "{name}");
     let attn: Vec<&Launch> = arch.schedule.decode.iter().filter(|l| l.kernel == "attn_decode").collect();
-    assert_eq!(attn.len() as u64, m.arch.num_layers);
+    assert_eq!(attn.len() as u64, m.arch.dims.num_layers);
     for (l, la) in attn.iter().enumerate() {
         assert_eq!(la.args[8] == Arg::I32(0), m.arch.no_rope_layers.contains(&(l as u64)), "{name} layer {l} rope");
         let sliding = m.arch.layer_attention.get(l) == Some(&LayerAttention::SlidingWindow);
@@ -169,7 +169,7 @@ fn check(name: &str, arch: Result<CudaArch, PlanError>) {
         let n: u64 = t.shape.iter().product();
         assert_eq!(n as usize, expected_elems(&arch, role), "{name}: {role:?} {layer:?} shape {:?}", t.shape);
     }
-    assert!(arch.kernels.contains(&format!("constexpr int HIDDEN = {};", arch.hidden)), "{name}: kernels rendered at the arch's shapes");
+    assert!(arch.kernels.contains(&format!("constexpr int HIDDEN = {};", arch.dims.hidden_size)), "{name}: kernels rendered at the arch's shapes");
     for t in thin_core::cuda::plan::WEIGHT_TYPES {
         assert!(arch.kernels.contains(&format!("#ifdef THIN_WEIGHTS_{}\n", t.name())), "{name}: a traits block for {}", t.name());
     }

@@ -54,10 +54,9 @@ pub enum LayerAttention {
     SlidingWindow,
 }
 
+/// Routing of a mixture-of-experts model; the expert count and top-k are shape, in [`ShapeDims`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MoeConfig {
-    pub num_experts: u64,
-    pub top_k: u64,
     /// Renormalise the top-k router probabilities to sum to one.
     pub norm_topk_prob: bool,
 }
@@ -66,17 +65,11 @@ pub struct MoeConfig {
 /// (`config.json` or GGUF metadata) and records in the manifest.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ArchConfig {
-    pub family: Family,
-    pub vocab_size: u64,
-    pub hidden_size: u64,
-    pub num_layers: u64,
-    pub num_heads: u64,
-    pub num_kv_heads: u64,
-    pub head_dim: u64,
-    pub intermediate_size: u64,
+    /// The shape (the manifest keeps these fields at the top level of `arch`).
+    #[serde(flatten)]
+    pub dims: ShapeDims,
     pub rms_norm_eps: f64,
     pub max_position_embeddings: u64,
-    pub tie_word_embeddings: bool,
     pub rope: RopeConfig,
     /// Layers that apply no rotary embedding (SmolLM3: every fourth).
     pub no_rope_layers: Vec<u64>,
@@ -87,12 +80,16 @@ pub struct ArchConfig {
     pub query_pre_attn_scalar: Option<f64>,
     pub final_logit_softcap: Option<f64>,
     pub attn_logit_softcap: Option<f64>,
+    /// Present exactly when `dims.num_experts > 0`.
     pub moe: Option<MoeConfig>,
     /// HF `hidden_act` (`silu`, `gelu_pytorch_tanh`).
     pub hidden_act: String,
 }
 
-/// The dims that decide whether a generated engine fits an archive.
+/// The model's dimensions: the one dims type. The manifest records it (inside
+/// [`ArchConfig`]), the generated engines are specialised to it (`generated::<arch>::DIMS`), the
+/// CUDA layout sizes its buffers from it, and its fingerprint decides whether an engine fits an
+/// archive. `num_experts` and `top_k` are 0 for a dense model.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShapeDims {
     pub family: Family,
@@ -127,6 +124,16 @@ impl ShapeDims {
         )
     }
 
+    /// Width of the query projection (`num_heads * head_dim`).
+    pub const fn q_dim(&self) -> u64 {
+        self.num_heads * self.head_dim
+    }
+
+    /// Width of the key and value projections (`num_kv_heads * head_dim`).
+    pub const fn kv_dim(&self) -> u64 {
+        self.num_kv_heads * self.head_dim
+    }
+
     /// blake3 of [`Self::normalized`], hex.
     pub fn fingerprint(&self) -> String {
         blake3::hash(self.normalized().as_bytes()).to_hex().to_string()
@@ -134,24 +141,8 @@ impl ShapeDims {
 }
 
 impl ArchConfig {
-    pub fn shape_dims(&self) -> ShapeDims {
-        ShapeDims {
-            family: self.family,
-            vocab_size: self.vocab_size,
-            hidden_size: self.hidden_size,
-            num_layers: self.num_layers,
-            num_heads: self.num_heads,
-            num_kv_heads: self.num_kv_heads,
-            head_dim: self.head_dim,
-            intermediate_size: self.intermediate_size,
-            num_experts: self.moe.as_ref().map_or(0, |m| m.num_experts),
-            top_k: self.moe.as_ref().map_or(0, |m| m.top_k),
-            tie_word_embeddings: self.tie_word_embeddings,
-        }
-    }
-
     pub fn shape_fingerprint(&self) -> String {
-        self.shape_dims().fingerprint()
+        self.dims.fingerprint()
     }
 
     /// Whether layer `l` applies RoPE.
@@ -163,15 +154,15 @@ impl ArchConfig {
     /// `Gemma3TextScaledWordEmbedding`, llama.cpp's gemma3 graph) scales by `sqrt(hidden)`, and no
     /// other family scales, so the family decides it.
     pub fn embedding_scale(&self) -> f64 {
-        match self.family {
-            Family::Gemma3 => (self.hidden_size as f64).sqrt(),
+        match self.dims.family {
+            Family::Gemma3 => (self.dims.hidden_size as f64).sqrt(),
             Family::Llama | Family::Smollm3 | Family::Olmoe => 1.0,
         }
     }
 
     /// Factor on the attention logits: `query_pre_attn_scalar^-0.5`, else `head_dim^-0.5`.
     pub fn attention_scale(&self) -> f64 {
-        1.0 / self.query_pre_attn_scalar.unwrap_or(self.head_dim as f64).sqrt()
+        1.0 / self.query_pre_attn_scalar.unwrap_or(self.dims.head_dim as f64).sqrt()
     }
 
     pub fn layer_attention(&self, l: u64) -> LayerAttention {

@@ -137,15 +137,15 @@ pub fn fold_add_one(w: &mut [f32]) {
 
 /// The shape a role must have under `arch`, when the config decides it.
 pub fn expected_shape(arch: &ArchConfig, role: Role) -> Vec<u64> {
-    let (h, q, kv) = (arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim);
-    let (i, e) = (arch.intermediate_size, arch.moe.as_ref().map_or(0, |m| m.num_experts));
+    let (h, q, kv) = (arch.dims.hidden_size, arch.dims.num_heads * arch.dims.head_dim, arch.dims.num_kv_heads * arch.dims.head_dim);
+    let (i, e) = (arch.dims.intermediate_size, arch.dims.num_experts);
     // OLMoE normalises the whole Q/K projection; Gemma 3 normalises per head.
-    let (qn, kn) = match arch.family {
+    let (qn, kn) = match arch.dims.family {
         Family::Olmoe => (q, kv),
-        Family::Llama | Family::Smollm3 | Family::Gemma3 => (arch.head_dim, arch.head_dim),
+        Family::Llama | Family::Smollm3 | Family::Gemma3 => (arch.dims.head_dim, arch.dims.head_dim),
     };
     match role {
-        Role::TokenEmbd | Role::LmHead => vec![arch.vocab_size, h],
+        Role::TokenEmbd | Role::LmHead => vec![arch.dims.vocab_size, h],
         Role::OutputNorm | Role::AttnNorm | Role::AttnPostNorm | Role::FfnNorm | Role::FfnPostNorm => vec![h],
         Role::AttnQ => vec![q, h],
         Role::AttnK | Role::AttnV => vec![kv, h],
@@ -161,11 +161,11 @@ pub fn expected_shape(arch: &ArchConfig, role: Role) -> Vec<u64> {
 }
 
 fn transform_for(kind: SourceKind, arch: &ArchConfig, role: Role) -> Transform {
-    match (kind, arch.family) {
+    match (kind, arch.dims.family) {
         (SourceKind::Safetensors, Family::Gemma3) if role.is_norm() => Transform::AddOne,
         (SourceKind::Gguf, Family::Llama | Family::Smollm3) => match role {
-            Role::AttnQ => Transform::UnpermuteRows { n_head: arch.num_heads },
-            Role::AttnK => Transform::UnpermuteRows { n_head: arch.num_kv_heads },
+            Role::AttnQ => Transform::UnpermuteRows { n_head: arch.dims.num_heads },
+            Role::AttnK => Transform::UnpermuteRows { n_head: arch.dims.num_kv_heads },
             _ => Transform::None,
         },
         _ => Transform::None,
@@ -186,7 +186,7 @@ type ExpertSlot<'s, 'a> = (Option<u32>, BTreeMap<u32, &'s SourceTensor<'a>>);
 
 fn build_jobs<'s, 'a>(model: &'s SourceModel<'a>, names: &NameTable) -> Result<Vec<Job<'s, 'a>>, ConvertError> {
     let arch = &model.arch;
-    let family = arch.family;
+    let family = arch.dims.family;
     let mut singles: BTreeMap<(u64, Role), Job<'s, 'a>> = BTreeMap::new();
     // (key) -> expert -> tensor, for HF OLMoE's one-tensor-per-expert layout.
     let mut experts: BTreeMap<(u64, Role), ExpertSlot<'s, 'a>> = BTreeMap::new();
@@ -195,11 +195,11 @@ fn build_jobs<'s, 'a>(model: &'s SourceModel<'a>, names: &NameTable) -> Result<V
             continue;
         };
         if let Some(l) = layer {
-            if u64::from(l) >= arch.num_layers {
+            if u64::from(l) >= arch.dims.num_layers {
                 return Err(ConvertError::LayerOutOfRange {
                     tensor: t.name.clone(),
                     layer: l,
-                    num_layers: arch.num_layers,
+                    num_layers: arch.dims.num_layers,
                 });
             }
         }
@@ -233,7 +233,7 @@ fn build_jobs<'s, 'a>(model: &'s SourceModel<'a>, names: &NameTable) -> Result<V
             });
         }
     }
-    let num_experts = arch.moe.as_ref().map_or(0, |m| m.num_experts);
+    let num_experts = arch.dims.num_experts;
     for (key, (layer, by_expert)) in experts {
         let role = key.1;
         let canonical = role.tensor_name(layer);
@@ -270,14 +270,14 @@ fn build_jobs<'s, 'a>(model: &'s SourceModel<'a>, names: &NameTable) -> Result<V
     }
     // Completeness and shapes, before anything is written.
     // The description lists every role of the family; the LM head is read only when untied.
-    let roles: Vec<Role> = names.roles().filter(|r| *r != Role::LmHead || !arch.tie_word_embeddings).collect();
+    let roles: Vec<Role> = names.roles().filter(|r| *r != Role::LmHead || !arch.dims.tie_word_embeddings).collect();
     let mut required: Vec<(Role, Option<u32>)> =
         roles.iter().filter(|r| !r.is_per_layer()).map(|r| (*r, None)).collect();
-    for l in 0..arch.num_layers {
+    for l in 0..arch.dims.num_layers {
         let l = u32::try_from(l).map_err(|_| ConvertError::LayerOutOfRange {
             tensor: String::new(),
             layer: u32::MAX,
-            num_layers: arch.num_layers,
+            num_layers: arch.dims.num_layers,
         })?;
         required.extend(roles.iter().filter(|r| r.is_per_layer()).map(|r| (*r, Some(l))));
     }
@@ -430,7 +430,7 @@ pub fn convert_model(
     opts: &ConvertOptions,
     start: Instant,
 ) -> Result<ConvertReport, ConvertError> {
-    let names = NameTable::for_family(opts.archs, model.arch.family)?;
+    let names = NameTable::for_family(opts.archs, model.arch.dims.family)?;
     // The tokenizer and chat template the archive will embed must load and render (bounded), so
     // a broken or runaway one is refused here, not at a user's first `thin run`.
     let tok = crate::tokenizer::TextTokenizer::from_info(&model.tokenizer)?;
@@ -580,18 +580,23 @@ mod tests {
     }
 
     fn test_arch(family: Family) -> ArchConfig {
+        let moe = family == Family::Olmoe;
         ArchConfig {
-            family,
-            vocab_size: 32,
-            hidden_size: 16,
-            num_layers: 1,
-            num_heads: 4,
-            num_kv_heads: 2,
-            head_dim: 4,
-            intermediate_size: 24,
+            dims: crate::arch::ShapeDims {
+                family,
+                vocab_size: 32,
+                hidden_size: 16,
+                num_layers: 1,
+                num_heads: 4,
+                num_kv_heads: 2,
+                head_dim: 4,
+                intermediate_size: 24,
+                num_experts: if moe { 2 } else { 0 },
+                top_k: if moe { 1 } else { 0 },
+                tie_word_embeddings: true,
+            },
             rms_norm_eps: 1e-6,
             max_position_embeddings: 64,
-            tie_word_embeddings: true,
             rope: crate::arch::RopeConfig { theta: 10000.0, local_theta: None, scaling: None },
             no_rope_layers: vec![],
             layer_attention: vec![],
@@ -599,11 +604,7 @@ mod tests {
             query_pre_attn_scalar: None,
             final_logit_softcap: None,
             attn_logit_softcap: None,
-            moe: (family == Family::Olmoe).then_some(crate::arch::MoeConfig {
-                num_experts: 2,
-                top_k: 1,
-                norm_topk_prob: false,
-            }),
+            moe: moe.then_some(crate::arch::MoeConfig { norm_topk_prob: false }),
             hidden_act: "silu".into(),
         }
     }

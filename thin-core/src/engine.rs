@@ -352,7 +352,7 @@ pub fn select_engine<'e, W>(
     known: &[KnownArch],
     compiled: &'e [CompiledEngine<W>],
 ) -> Result<&'e CompiledEngine<W>, OpenError> {
-    let dims = manifest.arch.shape_dims();
+    let dims = manifest.arch.dims.clone();
     let fp = dims.fingerprint();
     if fp != manifest.shape_fingerprint {
         return Err(OpenError::InconsistentFingerprint { recorded: manifest.shape_fingerprint.clone(), computed: fp });
@@ -557,7 +557,7 @@ mod tests {
         assert!(engine_math.mismatches(&a).is_empty(), "{:?}", engine_math.mismatches(&a));
         // Embedding scale follows the family: a Gemma manifest against a Llama-constant engine.
         let mut g = tiny_arch(2, true);
-        g.family = Family::Gemma3;
+        g.dims.family = Family::Gemma3;
         let got = TINY_MATH.mismatches(&g);
         assert_eq!(got.iter().map(|m| m.constant).collect::<Vec<_>>(), vec!["embedding scale"]);
         assert_eq!(got[0].to_string(), "embedding scale: the archive has 4, the engine 1");

@@ -795,6 +795,15 @@ pub fn validate_manifest(m: &Manifest, pages: &[PageEntry]) -> Result<(), Format
     if m.shape_fingerprint != fp {
         return Err(FormatError::FingerprintMismatch { expected: fp, found: m.shape_fingerprint.clone() });
     }
+    let d = &m.arch.dims;
+    if m.arch.moe.is_some() != (d.num_experts > 0) || d.top_k > d.num_experts || (d.num_experts > 0 && d.top_k == 0) {
+        return Err(FormatError::Validation(format!(
+            "num_experts {} and top_k {} do not agree with the routing config ({})",
+            d.num_experts,
+            d.top_k,
+            if m.arch.moe.is_some() { "present" } else { "absent" }
+        )));
+    }
     for (i, p) in pages.iter().enumerate() {
         if p.flags != 0 {
             return Err(FormatError::PageFlags { page: i as u64, flags: p.flags });
@@ -813,8 +822,8 @@ pub fn validate_manifest(m: &Manifest, pages: &[PageEntry]) -> Result<(), Format
         }
         by_role.entry((t.role, t.layer)).or_insert(t.name.as_str());
         if let Some(l) = t.layer {
-            if l as u64 >= m.arch.num_layers {
-                return Err(FormatError::BadLayer { tensor: t.name.clone(), layer: l, num_layers: m.arch.num_layers });
+            if l as u64 >= m.arch.dims.num_layers {
+                return Err(FormatError::BadLayer { tensor: t.name.clone(), layer: l, num_layers: m.arch.dims.num_layers });
             }
         }
         let n = shape_product(t)?;
@@ -859,12 +868,12 @@ pub fn validate_manifest(m: &Manifest, pages: &[PageEntry]) -> Result<(), Format
     };
     need(Role::TokenEmbd, None)?;
     need(Role::OutputNorm, None)?;
-    if !m.arch.tie_word_embeddings {
+    if !m.arch.dims.tie_word_embeddings {
         need(Role::LmHead, None)?;
     }
     // Terminates at the first missing layer, so a huge num_layers costs at most tensors/5 rounds.
     let mut l: u64 = 0;
-    while l < m.arch.num_layers {
+    while l < m.arch.dims.num_layers {
         let layer = u32::try_from(l).map_err(|_| FormatError::MissingRole { role: Role::AttnNorm.tensor_name(None) + " (layer index past u32)" })?;
         for r in [Role::AttnNorm, Role::AttnQ, Role::AttnK, Role::AttnV, Role::AttnO] {
             need(r, Some(layer))?;

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use crate::arch::{ArchConfig, Family, LayerAttention, MoeConfig, RopeConfig, RopeScaling};
+use crate::arch::{ArchConfig, Family, LayerAttention, MoeConfig, RopeConfig, RopeScaling, ShapeDims};
 use crate::codec::CodecError;
 use crate::dtype::SourceDType;
 use crate::source::{SourceKind, SourceModel, SourceTensor};
@@ -661,7 +661,7 @@ impl GgufFile {
         if let Some(ft) = file_type {
             details.insert("general.file_type".to_string(), ft.to_string());
         }
-        details.insert("general.architecture".to_string(), arch.family.name().to_string());
+        details.insert("general.architecture".to_string(), arch.dims.family.name().to_string());
         let mut counts = serde_json::Map::new();
         for t in &self.tensors {
             let e = counts.entry(t.dtype.name()).or_insert(serde_json::Value::from(0u64));
@@ -787,17 +787,21 @@ pub fn arch_from_gguf(meta: &BTreeMap<String, GgufValue>, tensors: &[GgufTensorI
     };
     let tie_word_embeddings = !tensors.iter().any(|t| t.name == "output.weight");
     let mut cfg = ArchConfig {
-        family,
-        vocab_size,
-        hidden_size,
-        num_layers,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        intermediate_size,
+        dims: ShapeDims {
+            family,
+            vocab_size,
+            hidden_size,
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            intermediate_size,
+            num_experts: 0,
+            top_k: 0,
+            tie_word_embeddings,
+        },
         rms_norm_eps,
         max_position_embeddings,
-        tie_word_embeddings,
         rope: RopeConfig {
             theta,
             local_theta: None,
@@ -843,13 +847,9 @@ pub fn arch_from_gguf(meta: &BTreeMap<String, GgufValue>, tensors: &[GgufTensorI
             cfg.attn_logit_softcap = get_f64(meta, &k("attn_logit_softcapping"))?;
         }
         Family::Olmoe => {
-            let num_experts = req_u64(meta, &k("expert_count"))?;
-            let top_k = req_u64(meta, &k("expert_used_count"))?;
-            cfg.moe = Some(MoeConfig {
-                num_experts,
-                top_k,
-                norm_topk_prob: false,
-            });
+            cfg.dims.num_experts = req_u64(meta, &k("expert_count"))?;
+            cfg.dims.top_k = req_u64(meta, &k("expert_used_count"))?;
+            cfg.moe = Some(MoeConfig { norm_topk_prob: false });
         }
     }
     Ok(cfg)

@@ -13,7 +13,7 @@ use serde::de::{Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::arch::{ArchConfig, Family, LayerAttention, MoeConfig, RopeConfig, RopeScaling};
+use crate::arch::{ArchConfig, Family, LayerAttention, MoeConfig, RopeConfig, RopeScaling, ShapeDims};
 use crate::dtype::SourceDType;
 use crate::manifest::TokenizerInfo;
 use crate::source::{SourceKind, SourceModel, SourceTensor};
@@ -472,13 +472,13 @@ pub fn arch_from_config(path: &Path, config: &Value) -> Result<ArchConfig, Safet
         }
         Family::Llama | Family::Smollm3 | Family::Olmoe => (Vec::new(), None),
     };
-    let moe = match family {
-        Family::Olmoe => Some(MoeConfig {
-            num_experts: c.u64("num_experts")?,
-            top_k: c.u64("num_experts_per_tok")?,
-            norm_topk_prob: c.bool_opt("norm_topk_prob")?.unwrap_or(false),
-        }),
-        Family::Llama | Family::Smollm3 | Family::Gemma3 => None,
+    let (num_experts, top_k, moe) = match family {
+        Family::Olmoe => (
+            c.u64("num_experts")?,
+            c.u64("num_experts_per_tok")?,
+            Some(MoeConfig { norm_topk_prob: c.bool_opt("norm_topk_prob")?.unwrap_or(false) }),
+        ),
+        Family::Llama | Family::Smollm3 | Family::Gemma3 => (0, 0, None),
     };
     let default_act = match family {
         Family::Gemma3 => "gelu_pytorch_tanh",
@@ -490,17 +490,21 @@ pub fn arch_from_config(path: &Path, config: &Value) -> Result<ArchConfig, Safet
     }
     .to_string();
     Ok(ArchConfig {
-        family,
-        vocab_size,
-        hidden_size,
-        num_layers,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        intermediate_size: c.u64("intermediate_size")?,
+        dims: ShapeDims {
+            family,
+            vocab_size,
+            hidden_size,
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            intermediate_size: c.u64("intermediate_size")?,
+            num_experts,
+            top_k,
+            tie_word_embeddings,
+        },
         rms_norm_eps: c.f64_opt("rms_norm_eps")?.unwrap_or(1e-6),
         max_position_embeddings: c.u64_opt("max_position_embeddings")?.unwrap_or(4096),
-        tie_word_embeddings,
         rope,
         no_rope_layers,
         layer_attention,

@@ -437,7 +437,7 @@ fn fingerprint_mismatch() {
     let e = b.with_manifest(|m| m.shape_fingerprint = "0".repeat(64)).err().unwrap();
     assert!(matches!(e, FormatError::FingerprintMismatch { .. }), "{e:?}");
     // arch changed without updating the fingerprint
-    let e = b.with_manifest(|m| m.arch.hidden_size = 17).err().unwrap();
+    let e = b.with_manifest(|m| m.arch.dims.hidden_size = 17).err().unwrap();
     assert!(matches!(e, FormatError::FingerprintMismatch { .. }), "{e:?}");
 }
 
@@ -446,7 +446,7 @@ fn huge_num_layers_is_cheap() {
     let b = base();
     let e = b
         .with_manifest(|m| {
-            m.arch.num_layers = u64::MAX;
+            m.arch.dims.num_layers = u64::MAX;
             m.shape_fingerprint = m.arch.shape_fingerprint();
         })
         .err()
@@ -515,4 +515,45 @@ fn nonzero_padding_fails_verify() {
     let a = b.open(&v).unwrap();
     let e = a.verify().err().unwrap();
     assert!(matches!(e, FormatError::NonZeroPadding { .. } | FormatError::PageChecksum { .. }), "{e:?}");
+}
+
+#[test]
+fn expert_dims_must_agree_with_the_routing_config() {
+    let b = base();
+    let refit = |m: &mut Manifest| m.shape_fingerprint = m.arch.shape_fingerprint();
+    // Routing config on a dense shape.
+    let e = b.with_manifest(|m| m.arch.moe = Some(thin_core::arch::MoeConfig { norm_topk_prob: true })).err().unwrap();
+    assert!(matches!(&e, FormatError::Validation(s) if s.contains("num_experts 0 and top_k 0")), "{e}");
+    // Experts without a routing config, and top_k past the expert count.
+    let e = b
+        .with_manifest(|m| {
+            m.arch.dims.num_experts = 4;
+            m.arch.dims.top_k = 2;
+            refit(m);
+        })
+        .err()
+        .unwrap();
+    assert!(matches!(&e, FormatError::Validation(s) if s.contains("(absent)")), "{e}");
+    let e = b
+        .with_manifest(|m| {
+            m.arch.dims.num_experts = 4;
+            m.arch.dims.top_k = 5;
+            m.arch.moe = Some(thin_core::arch::MoeConfig { norm_topk_prob: false });
+            refit(m);
+        })
+        .err()
+        .unwrap();
+    assert!(matches!(&e, FormatError::Validation(s) if s.contains("top_k 5")), "{e}");
+}
+
+#[test]
+fn manifest_keeps_the_dims_at_the_top_level_of_arch() {
+    // The manifest JSON of `arch` is flat: `ShapeDims` is flattened into it.
+    let b = base();
+    let p = split(&b.bytes);
+    let arch = &p.manifest["arch"];
+    for key in ["family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "num_experts", "top_k", "tie_word_embeddings", "rms_norm_eps"] {
+        assert!(arch.get(key).is_some(), "arch.{key} missing in {arch}");
+    }
+    assert!(arch.get("dims").is_none());
 }

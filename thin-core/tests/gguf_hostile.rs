@@ -31,9 +31,9 @@ fn valid_file_opens_from_disk() {
     );
     assert_eq!(f.tensor_infos().len(), 5);
     let sm = f.source_model("tiny.gguf").expect("source_model");
-    assert_eq!(sm.arch.hidden_size, 64);
-    assert_eq!(sm.arch.head_dim, 16);
-    assert!(sm.arch.tie_word_embeddings);
+    assert_eq!(sm.arch.dims.hidden_size, 64);
+    assert_eq!(sm.arch.dims.head_dim, 16);
+    assert!(sm.arch.dims.tie_word_embeddings);
     let q = sm.tensors.iter().find(|t| t.name == "blk.0.attn_q.weight").unwrap();
     assert_eq!(q.shape, vec![2, 64], "reversed to row-major");
     assert_eq!(q.bytes.len(), 136);

@@ -45,18 +45,18 @@ fn metadata_matches_reference() {
     assert_eq!(f.tensor_infos().len() as u64, m["tensor_count"].as_u64().unwrap());
     let sm = f.source_model("SmolLM2-135M-Instruct.Q4_1.gguf").expect("source_model");
     let a = &sm.arch;
-    assert_eq!(a.family, Family::Llama);
-    assert_eq!(a.num_layers, m["block_count"].as_u64().unwrap());
-    assert_eq!(a.hidden_size, m["embedding_length"].as_u64().unwrap());
-    assert_eq!(a.intermediate_size, m["feed_forward_length"].as_u64().unwrap());
-    assert_eq!(a.num_heads, m["head_count"].as_u64().unwrap());
-    assert_eq!(a.num_kv_heads, m["head_count_kv"].as_u64().unwrap());
-    assert_eq!(a.head_dim, 64);
+    assert_eq!(a.dims.family, Family::Llama);
+    assert_eq!(a.dims.num_layers, m["block_count"].as_u64().unwrap());
+    assert_eq!(a.dims.hidden_size, m["embedding_length"].as_u64().unwrap());
+    assert_eq!(a.dims.intermediate_size, m["feed_forward_length"].as_u64().unwrap());
+    assert_eq!(a.dims.num_heads, m["head_count"].as_u64().unwrap());
+    assert_eq!(a.dims.num_kv_heads, m["head_count_kv"].as_u64().unwrap());
+    assert_eq!(a.dims.head_dim, 64);
     assert_eq!(a.max_position_embeddings, m["context_length"].as_u64().unwrap());
-    assert_eq!(a.vocab_size, m["vocab_size"].as_u64().unwrap());
+    assert_eq!(a.dims.vocab_size, m["vocab_size"].as_u64().unwrap());
     assert_eq!(a.rope.theta, m["rope_freq_base"].as_f64().unwrap());
     assert!((a.rms_norm_eps - m["rms_eps"].as_f64().unwrap()).abs() < 1e-12);
-    assert_eq!(a.tie_word_embeddings, !m["has_output_weight"].as_bool().unwrap());
+    assert_eq!(a.dims.tie_word_embeddings, !m["has_output_weight"].as_bool().unwrap());
     assert_eq!(
         sm.tokenizer.bos_token_id,
         Some(m["bos_token_id"].as_u64().unwrap() as u32)

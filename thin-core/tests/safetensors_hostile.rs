@@ -194,9 +194,9 @@ fn configs_of_each_family() {
         r#"{"model_type":"smollm3","hidden_size":8,"num_hidden_layers":4,"num_attention_heads":2,"num_key_value_heads":1,"intermediate_size":16,"vocab_size":3,"no_rope_layers":[1,1,0,1],"rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}}"#,
     );
     let h = HfDir::open(d.path()).expect("smollm3");
-    assert_eq!(h.arch.family, Family::Smollm3);
+    assert_eq!(h.arch.dims.family, Family::Smollm3);
     assert_eq!(h.arch.no_rope_layers, vec![2]);
-    assert_eq!(h.arch.head_dim, 4);
+    assert_eq!(h.arch.dims.head_dim, 4);
     assert_eq!(h.arch.rope.scaling.as_ref().map(|s| s.factor), Some(8.0));
     assert_eq!(h.tokenizer.bos_token_id, Some(0));
     assert_eq!(h.tokenizer.eos_token_ids, vec![1]);
@@ -212,19 +212,19 @@ fn configs_of_each_family() {
         r#"{"model_type":"gemma3","text_config":{"model_type":"gemma3_text","hidden_size":8,"num_hidden_layers":6,"num_attention_heads":2,"head_dim":16,"intermediate_size":16,"vocab_size":3,"sliding_window":512,"query_pre_attn_scalar":16,"rope_local_base_freq":10000.0,"rope_theta":1000000.0,"final_logit_softcapping":null}}"#,
     );
     let g = HfDir::open(d.path()).expect("gemma3");
-    assert_eq!(g.arch.family, Family::Gemma3);
+    assert_eq!(g.arch.dims.family, Family::Gemma3);
     assert_eq!(g.arch.layer_attention(5), LayerAttention::Full);
     assert_eq!(g.arch.layer_attention(0), LayerAttention::SlidingWindow);
     assert_eq!(g.arch.sliding_window, Some(512));
     assert_eq!(g.arch.rope.local_theta, Some(10000.0));
     assert_eq!(g.arch.hidden_act, "gelu_pytorch_tanh");
-    assert!(g.arch.tie_word_embeddings);
+    assert!(g.arch.dims.tie_word_embeddings);
 
     write_dir(
         d.path(),
         r#"{"model_type":"olmoe","hidden_size":8,"num_hidden_layers":1,"num_attention_heads":2,"intermediate_size":4,"vocab_size":3,"num_experts":4,"num_experts_per_tok":2,"norm_topk_prob":false}"#,
     );
     let o = HfDir::open(d.path()).expect("olmoe");
-    assert_eq!(o.arch.moe.as_ref().map(|m| (m.num_experts, m.top_k)), Some((4, 2)));
-    assert!(!o.arch.tie_word_embeddings);
+    assert_eq!((o.arch.dims.num_experts, o.arch.dims.top_k, o.arch.moe.is_some()), (4, 2, true));
+    assert!(!o.arch.dims.tie_word_embeddings);
 }

@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::arch::ShapeDims;
 use crate::dtype::DType;
 use crate::role::Role;
 
@@ -52,12 +53,7 @@ pub enum RopeTable {
 pub struct CudaArch {
     pub arch: &'static str,
     pub fingerprint: &'static str,
-    pub vocab: usize,
-    pub hidden: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub ffn: usize,
+    pub dims: ShapeDims,
     pub max_positions: usize,
     pub inv_freq_global: Vec<f64>,
     pub inv_freq_local: Vec<f64>,
@@ -331,26 +327,28 @@ impl Layout {
         check_launch_types(&a.schedule, &types)?;
         let wbytes = types.iter().filter(|(w, _)| !w.0.is_norm()).map(|(_, t)| elem_bytes(*t)).max().unwrap_or(4);
         let splits = ctx.div_ceil(ATTN_CHUNK).next_multiple_of(ATTN_CLUSTER);
-        let (q, kv) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
-        let half = a.head_dim / 2;
+        let d = &a.dims;
+        let (hidden, heads, head_dim, ffn, vocab) = (d.hidden_size as usize, d.num_heads as usize, d.head_dim as usize, d.intermediate_size as usize, d.vocab_size as usize);
+        let (q, kv) = (d.q_dim() as usize, d.kv_dim() as usize);
+        let half = head_dim / 2;
         let r = prefill_rows.max(1);
         let bytes = |b: Buf| match b {
-            Buf::X | Buf::O => a.hidden * 4,
+            Buf::X | Buf::O => hidden * 4,
             Buf::Qkv => (q + 2 * kv) * 4,
             Buf::Att => q * 4,
-            Buf::Act => a.ffn * 4,
-            Buf::Logits => a.vocab * 4,
-            Buf::Part => a.heads * splits * (a.head_dim + 2) * 4,
+            Buf::Act => ffn * 4,
+            Buf::Logits => vocab * 4,
+            Buf::Part => heads * splits * (head_dim + 2) * 4,
             Buf::Tok | Buf::Pos => 4,
-            Buf::AttnCount => a.heads * 4,
+            Buf::AttnCount => heads * 4,
             Buf::ArgPart => MATVEC_MAX_BLOCKS as usize * 8,
-            Buf::PX | Buf::PO => r * a.hidden * 4,
-            Buf::PXn => r * a.hidden * wbytes,
+            Buf::PX | Buf::PO => r * hidden * 4,
+            Buf::PXn => r * hidden * wbytes,
             Buf::PQkv => r * (q + 2 * kv) * 4,
-            Buf::PPart => r * a.heads * (a.head_dim + 2) * 4,
+            Buf::PPart => r * heads * (head_dim + 2) * 4,
             Buf::PAtt => r * q * wbytes,
-            Buf::PGate | Buf::PUp => r * a.ffn * 4,
-            Buf::PAct => r * a.ffn * wbytes,
+            Buf::PGate | Buf::PUp => r * ffn * 4,
+            Buf::PAct => r * ffn * wbytes,
             Buf::PToks => r * 4,
             Buf::Cos(_) | Buf::Sin(_) => ctx * half * 4,
             Buf::KCache(_) | Buf::VCache(_) => ctx * kv * 2,
@@ -522,12 +520,19 @@ mod tests {
         CudaArch {
             arch: "test",
             fingerprint: "fp",
-            vocab: 1000,
-            hidden: 64,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 32,
-            ffn: 128,
+            dims: ShapeDims {
+                family: crate::arch::Family::Llama,
+                vocab_size: 1000,
+                hidden_size: 64,
+                num_layers: 1,
+                num_heads: 4,
+                num_kv_heads: 2,
+                head_dim: 32,
+                intermediate_size: 128,
+                num_experts: 0,
+                top_k: 0,
+                tie_word_embeddings: true,
+            },
             max_positions: 4096,
             inv_freq_global: crate::cpu::rope_inv_freq(32, 10000.0),
             inv_freq_local: crate::cpu::rope_inv_freq(32, 10000.0),

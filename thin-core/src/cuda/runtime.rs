@@ -390,7 +390,7 @@ impl CudaEngine {
             return Err(CudaError::Mismatch {
                 engine: arch.arch.into(),
                 engine_fp: arch.fingerprint.into(),
-                archive: format!("{:?} ({} layers, hidden {}, vocab {})", a.family, a.num_layers, a.hidden_size, a.vocab_size),
+                archive: format!("{:?} ({} layers, hidden {}, vocab {})", a.dims.family, a.dims.num_layers, a.dims.hidden_size, a.dims.vocab_size),
                 archive_fp: m.shape_fingerprint.clone(),
             });
         }
@@ -441,7 +441,7 @@ impl CudaEngine {
             layout,
             pos: 0,
             device_tok: None,
-            logits: vec![0.0; arch.vocab],
+            logits: vec![0.0; arch.dims.vocab_size as usize],
             stats,
         };
         e.capture()?;
@@ -571,8 +571,8 @@ impl CudaEngine {
         if self.pos + tokens.len() > self.layout.ctx {
             return Err(EngineError::ContextFull { pos: self.pos + tokens.len(), max_seq: self.layout.ctx });
         }
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.spec.vocab) {
-            return Err(EngineError::TokenOutOfRange { token: t, vocab: self.spec.vocab });
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.spec.dims.vocab_size as usize) {
+            return Err(EngineError::TokenOutOfRange { token: t, vocab: self.spec.dims.vocab_size as usize });
         }
         let cs = self.stream.cu_stream();
         let mut last_rows = 0;
@@ -591,8 +591,8 @@ impl CudaEngine {
             last_rows = chunk.len();
         }
         // The last prompt row becomes the decode step's residual; its epilogue runs at pos - 1.
-        let row = (last_rows - 1) * self.spec.hidden * 4;
-        drv("copying the last row", unsafe { cu::memcpy_dtod_async(self.buf(Buf::X), self.buf(Buf::PX) + row as u64, self.spec.hidden * 4, cs) }).map_err(Self::engine_err)?;
+        let row = (last_rows - 1) * self.spec.dims.hidden_size as usize * 4;
+        drv("copying the last row", unsafe { cu::memcpy_dtod_async(self.buf(Buf::X), self.buf(Buf::PX) + row as u64, self.spec.dims.hidden_size as usize * 4, cs) }).map_err(Self::engine_err)?;
         self.set_pos(self.pos - 1).map_err(Self::engine_err)?;
         for l in &self.spec.schedule.epilogue {
             self.launch(l, 1, false).map_err(Self::engine_err)?;
@@ -612,8 +612,8 @@ impl CudaEngine {
     /// One replay of the decode step with `token` at the current position.
     fn step(&mut self, token: u32) -> Result<(), EngineError> {
         drv("binding the context", self._ctx.bind_to_thread()).map_err(Self::engine_err)?;
-        if token as usize >= self.spec.vocab {
-            return Err(EngineError::TokenOutOfRange { token, vocab: self.spec.vocab });
+        if token as usize >= self.spec.dims.vocab_size as usize {
+            return Err(EngineError::TokenOutOfRange { token, vocab: self.spec.dims.vocab_size as usize });
         }
         if self.pos >= self.layout.ctx {
             return Err(EngineError::ContextFull { pos: self.pos, max_seq: self.layout.ctx });
@@ -764,7 +764,7 @@ impl CudaEngine {
             }
         }
         // Weight bytes a launch reads: whole tensors, but one row of the embedding table.
-        let row = self.offsets.get(&(Role::TokenEmbd, None)).map_or(0, |x| x.1 / self.spec.vocab);
+        let row = self.offsets.get(&(Role::TokenEmbd, None)).map_or(0, |x| x.1 / self.spec.dims.vocab_size as usize);
         let wbytes = |ls: &[&Launch]| -> usize {
             ls.iter()
                 .flat_map(|l| l.args.iter().map(move |a| (l.kernel, a)))

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use crate::arch::{ArchConfig, Family, RopeConfig};
+use crate::arch::{ArchConfig, Family, RopeConfig, ShapeDims};
 use crate::dtype::{DType, SourceDType};
 use crate::manifest::{BackendHints, Manifest, SourceInfo, TensorEntry, TokenizerInfo, Validation, MANIFEST_FORMAT};
 use crate::quant::{Profile, QuantizationDescriptor};
@@ -15,17 +15,21 @@ use super::{ArchiveWriter, FormatError, Header, PageEntry, HEADER_LEN, PAGE_ENTR
 /// Tiny Llama-family config: vocab 32, hidden 16, heads 2/1 of dim 8.
 pub fn tiny_arch(layers: u64, tied: bool) -> ArchConfig {
     ArchConfig {
-        family: Family::Llama,
-        vocab_size: 32,
-        hidden_size: 16,
-        num_layers: layers,
-        num_heads: 2,
-        num_kv_heads: 1,
-        head_dim: 8,
-        intermediate_size: 32,
+        dims: ShapeDims {
+            family: Family::Llama,
+            vocab_size: 32,
+            hidden_size: 16,
+            num_layers: layers,
+            num_heads: 2,
+            num_kv_heads: 1,
+            head_dim: 8,
+            intermediate_size: 32,
+            num_experts: 0,
+            top_k: 0,
+            tie_word_embeddings: tied,
+        },
         rms_norm_eps: 1e-5,
         max_position_embeddings: 128,
-        tie_word_embeddings: tied,
         rope: RopeConfig { theta: 10000.0, local_theta: None, scaling: None },
         no_rope_layers: vec![],
         layer_attention: vec![],
@@ -94,11 +98,11 @@ pub fn tensor_bytes(e: &TensorEntry, seed: f32) -> Vec<u8> {
 
 /// The tensors of [`tiny_arch`]: F32 norms, BF16 matrices (embedding F32 so tests can read it).
 pub fn tiny_entries(arch: &ArchConfig) -> Vec<TensorEntry> {
-    let h = arch.hidden_size;
-    let q = arch.num_heads * arch.head_dim;
-    let kv = arch.num_kv_heads * arch.head_dim;
-    let mut v = vec![entry(Role::TokenEmbd, None, vec![arch.vocab_size, h], DType::F32)];
-    for l in 0..arch.num_layers as u32 {
+    let h = arch.dims.hidden_size;
+    let q = arch.dims.num_heads * arch.dims.head_dim;
+    let kv = arch.dims.num_kv_heads * arch.dims.head_dim;
+    let mut v = vec![entry(Role::TokenEmbd, None, vec![arch.dims.vocab_size, h], DType::F32)];
+    for l in 0..arch.dims.num_layers as u32 {
         v.push(entry(Role::AttnNorm, Some(l), vec![h], DType::F32));
         v.push(entry(Role::AttnQ, Some(l), vec![q, h], DType::Bf16));
         v.push(entry(Role::AttnK, Some(l), vec![kv, h], DType::Bf16));
@@ -106,8 +110,8 @@ pub fn tiny_entries(arch: &ArchConfig) -> Vec<TensorEntry> {
         v.push(entry(Role::AttnO, Some(l), vec![h, q], DType::Bf16));
     }
     v.push(entry(Role::OutputNorm, None, vec![h], DType::F32));
-    if !arch.tie_word_embeddings {
-        v.push(entry(Role::LmHead, None, vec![arch.vocab_size, h], DType::Bf16));
+    if !arch.dims.tie_word_embeddings {
+        v.push(entry(Role::LmHead, None, vec![arch.dims.vocab_size, h], DType::Bf16));
     }
     v
 }

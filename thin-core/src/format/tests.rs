@@ -1,4 +1,4 @@
-use crate::arch::ArchConfig;
+
 use super::testkit::*;
 use super::*;
 
@@ -51,7 +51,8 @@ fn deterministic() {
 fn multi_page_tensors() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("m.thin");
-    let arch = ArchConfig { vocab_size: 1000, ..tiny_arch(1, true) };
+    let mut arch = tiny_arch(1, true);
+    arch.dims.vocab_size = 1000;
     let mut w = ArchiveWriter::create(&p).unwrap().with_max_page_size(PAGE_ALIGN);
     for (i, e) in tiny_entries(&arch).into_iter().enumerate() {
         let b = tensor_bytes(&e, i as f32);
