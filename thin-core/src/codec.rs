@@ -1,4 +1,8 @@
-//! Element codecs: GGUF block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) and F16/BF16/F32 to f32, and f32 to the storage types.
+//! Source decoding: GGUF block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) and F16/BF16/F32 to f32, and f32 to the storage types.
+//!
+//! Q8_0 and Q4_1, which an archive can also keep as stored, live in [`crate::codecs`] (with their
+//! quantizers and matvecs); this decoder calls them. The archive's own formats (FP8, MXFP4) are
+//! there too.
 //!
 //! The block layouts and the dequantization arithmetic follow ggml (`ggml-quants.c`,
 //! `dequantize_row_*`) operation for operation, so results are bit-identical to ggml and to
@@ -11,31 +15,8 @@ use crate::dtype::SourceDType;
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use half::{bf16, f16};
 
-#[derive(Debug, thiserror::Error)]
-pub enum CodecError {
-    /// `bytes` is not exactly `dtype.bytes_for(out.len())` long.
-    #[error("{dtype}: expected {expected} bytes, got {got}")]
-    Length {
-        dtype: &'static str,
-        expected: u64,
-        got: u64,
-    },
-    /// A block's f16 scale (`d` or `dmin`) is NaN or infinite.
-    #[error("{dtype}: block {block} has a non-finite scale")]
-    NonFinite { dtype: &'static str, block: u64 },
-    /// The element count is not a whole number of blocks.
-    #[error("{dtype}: {count} elements is not a multiple of the block size {block_elems}")]
-    PartialBlock {
-        dtype: &'static str,
-        count: u64,
-        block_elems: u64,
-    },
-}
-
-#[inline(always)]
-fn rd_f16(b: &[u8], at: usize) -> f32 {
-    f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
-}
+pub use crate::codecs::CodecError;
+use crate::codecs::{q4_1, q8_0, rd_f16};
 
 #[inline(always)]
 fn check_scale(v: f32, dtype: &'static str, block: usize) -> Result<f32, CodecError> {
@@ -69,12 +50,14 @@ pub fn decode_to_f32(dtype: SourceDType, bytes: &[u8], out: &mut [f32]) -> Resul
     }
     let expected = (n / per).checked_mul(bpb).ok_or(CodecError::Length {
         dtype: name,
+        what: "bytes",
         expected: u64::MAX,
         got: bytes.len() as u64,
     })?;
     if expected != bytes.len() as u64 {
         return Err(CodecError::Length {
             dtype: name,
+            what: "bytes",
             expected,
             got: bytes.len() as u64,
         });
@@ -104,15 +87,7 @@ pub fn decode_to_f32(dtype: SourceDType, bytes: &[u8], out: &mut [f32]) -> Resul
                 *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
             }
         }
-        SourceDType::Q8_0 => {
-            for (i, (y, b)) in out.chunks_exact_mut(per).zip(bytes.chunks_exact(bpb)).enumerate() {
-                let d = check_scale(rd_f16(b, 0), name, i)?;
-                let qs = &b[2..34];
-                for (o, &q) in y.iter_mut().zip(qs) {
-                    *o = (q as i8) as f32 * d;
-                }
-            }
-        }
+        SourceDType::Q8_0 => q8_0::dequantize_row(bytes, out)?,
         SourceDType::Q4_0 => {
             for (i, (y, b)) in out.chunks_exact_mut(per).zip(bytes.chunks_exact(bpb)).enumerate() {
                 let d = check_scale(rd_f16(b, 0), name, i)?;
@@ -124,18 +99,7 @@ pub fn decode_to_f32(dtype: SourceDType, bytes: &[u8], out: &mut [f32]) -> Resul
                 }
             }
         }
-        SourceDType::Q4_1 => {
-            for (i, (y, b)) in out.chunks_exact_mut(per).zip(bytes.chunks_exact(bpb)).enumerate() {
-                let d = check_scale(rd_f16(b, 0), name, i)?;
-                let m = check_scale(rd_f16(b, 2), name, i)?;
-                let qs = &b[4..20];
-                let (lo, hi) = y.split_at_mut(16);
-                for j in 0..16 {
-                    lo[j] = (qs[j] & 0x0F) as f32 * d + m;
-                    hi[j] = (qs[j] >> 4) as f32 * d + m;
-                }
-            }
-        }
+        SourceDType::Q4_1 => q4_1::dequantize_row(bytes, out)?,
         SourceDType::Q4K => {
             for (i, (y, b)) in out.chunks_exact_mut(per).zip(bytes.chunks_exact(bpb)).enumerate() {
                 let d = check_scale(rd_f16(b, 0), name, i)?;

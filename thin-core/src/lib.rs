@@ -3,6 +3,7 @@
 
 pub mod arch;
 pub mod codec;
+pub mod codecs;
 pub mod convert;
 pub mod cpu;
 pub mod cuda;

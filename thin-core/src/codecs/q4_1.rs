@@ -1,0 +1,232 @@
+//! GGUF Q4_1 blocks, kept exactly as ggml stores them (the real SmolLM2 GGUF is Q4_1).
+//!
+//! Layout: a row of `cols` (a multiple of 32) is `cols / 32` `block_q4_1` of 20 bytes: `d`, `m`
+//! (f16, little-endian), then `qs[16]`; element `j < 16` is the low nibble of `qs[j]`, element
+//! `j + 16` its high nibble, and an element is `q * d + m`. Rows follow each other; there is no
+//! separate scale tensor. Dequantization is ggml's `dequantize_row_q4_1` operation for operation
+//! (bit-identical); [`quantize_row`] is ggml's `quantize_row_q4_1_ref` (gguf-py's `Q4_1` quantizer
+//! computes the same bytes).
+//!
+//! The dot factors the block: `d * sum(q_i x_i) + m * sum(x_i)`, one multiply by each scale per
+//! lane and block, rather than decoding `q * d + m` per element; it is not bit-identical to a dot
+//! of the dequantized values, only as accurate.
+
+use super::q8_0::{block_bytes, check_blocks, check_nonfinite_rows};
+use super::{dispatch_avx2, elems, rd_f16, reduce, CodecError, Sizes, BLOCK, LANES};
+use half::f16;
+
+const NAME: &str = "Q4_1";
+
+/// Bytes of one block.
+pub const BLOCK_BYTES: usize = 20;
+
+/// Bytes of a `[rows, cols]` Q4_1 matrix (`scales` is 0: the scales are inside the blocks).
+pub fn sizes(rows: u64, cols: u64) -> Result<Sizes, CodecError> {
+    block_bytes(NAME, BLOCK_BYTES, rows, cols)
+}
+
+/// ggml's `quantize_row_q4_1_ref`: per block `d = (max - min) / 15`, `m = min`,
+/// `q = min(15, trunc((x - min) / d + 0.5))` (with `1 / d` multiplied), `d` and `m` stored as f16.
+/// Non-finite input, or a `d` or `m` beyond f16's range (where ggml would store an infinity), is an
+/// error.
+pub fn quantize_row(x: &[f32], blocks: &mut [u8]) -> Result<(), CodecError> {
+    check_blocks(NAME, BLOCK_BYTES, x.len(), blocks.len())?;
+    for (b, (xb, y)) in x.chunks_exact(BLOCK).zip(blocks.chunks_exact_mut(BLOCK_BYTES)).enumerate() {
+        let (mut min, mut max) = (f32::MAX, -f32::MAX);
+        for (i, &v) in xb.iter().enumerate() {
+            if !v.is_finite() {
+                return Err(CodecError::NonFiniteInput {
+                    dtype: NAME,
+                    index: (b * BLOCK + i) as u64,
+                    value: v,
+                });
+            }
+            // ggml's comparisons, so a -0.0 after a 0.0 does not become the minimum.
+            if v < min {
+                min = v;
+            }
+            if v > max {
+                max = v;
+            }
+        }
+        let d = (max - min) / 15.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let (dh, mh) = (f16::from_f32(d), f16::from_f32(min));
+        if !dh.is_finite() || !mh.is_finite() {
+            return Err(CodecError::NonFinite { dtype: NAME, block: b as u64 });
+        }
+        y[0..2].copy_from_slice(&dh.to_bits().to_le_bytes());
+        y[2..4].copy_from_slice(&mh.to_bits().to_le_bytes());
+        let q = |v: f32| (((v - min) * id + 0.5) as i8).min(15) as u8;
+        for j in 0..BLOCK / 2 {
+            y[4 + j] = q(xb[j]) | (q(xb[j + BLOCK / 2]) << 4);
+        }
+    }
+    Ok(())
+}
+
+/// ggml's `dequantize_row_q4_1`: `out[j] = q_j * d + m` per block; `out.len()` elements (whole
+/// blocks) from exactly their blocks. A non-finite `d` or `m` is [`CodecError::NonFinite`].
+pub fn dequantize_row(blocks: &[u8], out: &mut [f32]) -> Result<(), CodecError> {
+    check_blocks(NAME, BLOCK_BYTES, out.len(), blocks.len())?;
+    for (i, (y, b)) in out.chunks_exact_mut(BLOCK).zip(blocks.chunks_exact(BLOCK_BYTES)).enumerate() {
+        let (d, m) = (rd_f16(b, 0), rd_f16(b, 2));
+        if !d.is_finite() || !m.is_finite() {
+            return Err(CodecError::NonFinite { dtype: NAME, block: i as u64 });
+        }
+        let qs = &b[4..];
+        let (lo, hi) = y.split_at_mut(BLOCK / 2);
+        for j in 0..BLOCK / 2 {
+            lo[j] = (qs[j] & 0x0F) as f32 * d + m;
+            hi[j] = (qs[j] >> 4) as f32 * d + m;
+        }
+    }
+    Ok(())
+}
+
+/// Dequantizes a `[rows, cols]` matrix (`cols` a multiple of 32). Blocks are row-major and never
+/// straddle rows, so this is [`dequantize_row`] over the whole buffer, after the shape check.
+pub fn dequantize(blocks: &[u8], cols: usize, out: &mut [f32]) -> Result<(), CodecError> {
+    check_blocks(NAME, BLOCK_BYTES, cols, cols / BLOCK * BLOCK_BYTES)?;
+    dequantize_row(blocks, out)
+}
+
+/// `sum_b (d_b * sum_{i in b} q_i x_i + m_b * sum_{i in b} x_i)` in the codecs' lane order: per
+/// lane, `t_q * d + t_x * m` is added to the lane's total.
+#[inline(always)]
+fn dot(blocks: &[u8], x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    for (b, xb) in blocks.chunks_exact(BLOCK_BYTES).zip(x.chunks_exact(BLOCK)) {
+        let (d, m) = (rd_f16(b, 0), rd_f16(b, 2));
+        let qs = &b[4..];
+        let (mut tq, mut tx) = ([0.0f32; LANES], [0.0f32; LANES]);
+        // Elements 0..16 are the low nibbles of qs[0..16], elements 16..32 the high nibbles.
+        for k in 0..BLOCK / LANES {
+            let shift = if k < 2 { 0 } else { 4 };
+            let q = &qs[(k % 2) * LANES..(k % 2 + 1) * LANES];
+            let xk = &xb[k * LANES..(k + 1) * LANES];
+            for l in 0..LANES {
+                tq[l] += ((q[l] >> shift) & 0x0F) as f32 * xk[l];
+                tx[l] += xk[l];
+            }
+        }
+        for l in 0..LANES {
+            acc[l] += tq[l] * d + tx[l] * m;
+        }
+    }
+    reduce(acc)
+}
+
+#[inline(always)]
+fn rows_body(blocks: &[u8], x: &[f32], out: &mut [f32]) {
+    let row_bytes = x.len() / BLOCK * BLOCK_BYTES;
+    for (r, o) in out.iter_mut().enumerate() {
+        *o = dot(&blocks[r * row_bytes..(r + 1) * row_bytes], x);
+    }
+}
+
+dispatch_avx2!(rows_dispatch, fn(blocks: &[u8], x: &[f32], out: &mut [f32]) -> (), rows_body);
+
+/// One row's dot with `x` (`x.len()` a multiple of 32; `blocks` that row's blocks).
+pub fn dot_row(blocks: &[u8], x: &[f32]) -> Result<f32, CodecError> {
+    let mut out = [0.0f32];
+    matvec_rows(blocks, x, &mut out)?;
+    Ok(out[0])
+}
+
+/// `out[r]` = row `r`'s dot with `x` for `out.len()` rows of `x.len()` columns (pass the blocks of
+/// a row range to compute part of a matrix). A row whose result is not finite has its scales
+/// checked.
+pub fn matvec_rows(blocks: &[u8], x: &[f32], out: &mut [f32]) -> Result<(), CodecError> {
+    let n = elems(NAME, out.len(), x.len())?;
+    check_blocks(NAME, BLOCK_BYTES, x.len(), x.len() / BLOCK * BLOCK_BYTES)?;
+    check_blocks(NAME, BLOCK_BYTES, n, blocks.len())?;
+    rows_dispatch(blocks, x, out);
+    check_nonfinite_rows(NAME, BLOCK_BYTES, &[0, 2], blocks, x.len(), out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(v: f32) -> [u8; 2] {
+        f16::from_f32(v).to_bits().to_le_bytes()
+    }
+
+    /// d = 0.25, m = -1; element j (j < 16) has q = j, element j + 16 has q = 15 - j.
+    fn hand_block() -> Vec<u8> {
+        let mut b = h(0.25).to_vec();
+        b.extend_from_slice(&h(-1.0));
+        for j in 0..16u8 {
+            b.push(j | ((15 - j) << 4));
+        }
+        b
+    }
+
+    #[test]
+    fn hand_block_decodes_in_ggml_nibble_order() {
+        let b = hand_block();
+        let mut out = [0f32; 32];
+        dequantize_row(&b, &mut out).unwrap();
+        for j in 0..16 {
+            assert_eq!(out[j], j as f32 * 0.25 - 1.0);
+            assert_eq!(out[j + 16], (15 - j) as f32 * 0.25 - 1.0);
+        }
+        // x = e_k picks element k out.
+        for k in [0, 5, 15, 16, 21, 31] {
+            let mut x = [0.0f32; 32];
+            x[k] = 1.0;
+            assert_eq!(dot_row(&b, &x).unwrap(), out[k], "k={k}");
+        }
+        // sum over all: 0.25 * (2 * 120) - 32 = 28
+        assert_eq!(dot_row(&b, &[1.0; 32]).unwrap(), 28.0);
+    }
+
+    #[test]
+    fn nonfinite_scales() {
+        let mut b = hand_block();
+        b.extend(hand_block());
+        b[22..24].copy_from_slice(&h(f32::NAN));
+        let mut out = [0f32; 64];
+        assert!(matches!(dequantize_row(&b, &mut out), Err(CodecError::NonFinite { block: 1, .. })));
+        let mut o = [0f32; 1];
+        assert!(matches!(matvec_rows(&b, &[1.0; 64], &mut o), Err(CodecError::NonFinite { block: 1, .. })));
+    }
+
+    #[test]
+    fn quantize_like_ggml_ref() {
+        // min -1, max 14: d = 1, q = trunc(x + 1 + 0.5) capped at 15: 0.49 -> 1 (1.99), 0.5 -> 2.
+        let mut x = [0.0f32; 32];
+        x[0] = -1.0;
+        x[1] = 14.0;
+        x[2] = 0.49;
+        x[3] = 0.5;
+        x[16] = 3.0;
+        let mut b = [0u8; 20];
+        quantize_row(&x, &mut b).unwrap();
+        assert_eq!(&b[0..2], &h(1.0));
+        assert_eq!(&b[2..4], &h(-1.0));
+        // element 0: q 0, element 16: q 4 -> qs[0] = 0x40
+        assert_eq!(b[4], 0x40);
+        assert_eq!(b[5] & 0x0F, 15);
+        assert_eq!(b[6] & 0x0F, 1);
+        assert_eq!(b[7] & 0x0F, 2);
+        // zeros elsewhere: (0 + 1) * 1 + 0.5 -> 1
+        assert_eq!(b[8], 0x11);
+        // A constant block: d = 0, all q = 0, m = the constant.
+        quantize_row(&[2.0; 32], &mut b).unwrap();
+        assert_eq!(&b[0..4], &[h(0.0), h(2.0)].concat()[..]);
+        assert_eq!(&b[4..], &[0u8; 16]);
+        assert!(matches!(quantize_row(&[-7e4; 32], &mut b), Err(CodecError::NonFinite { .. })));
+        let mut bad = [0.0f32; 32];
+        bad[31] = f32::NEG_INFINITY;
+        assert!(matches!(quantize_row(&bad, &mut b), Err(CodecError::NonFiniteInput { index: 31, .. })));
+    }
+
+    #[test]
+    fn sizes_checked() {
+        assert_eq!(sizes(2, 96).unwrap(), Sizes { values: 2 * 3 * 20, scales: 0 });
+        assert!(matches!(sizes(2, 100), Err(CodecError::PartialBlock { .. })));
+        assert!(matches!(sizes(u64::MAX, 32), Err(CodecError::Overflow { .. })));
+    }
+}

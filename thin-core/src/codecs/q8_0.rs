@@ -1,0 +1,230 @@
+//! GGUF Q8_0 blocks, kept exactly as ggml stores them.
+//!
+//! Layout: a row of `cols` (a multiple of 32) is `cols / 32` `block_q8_0` of 34 bytes: `d` (f16,
+//! little-endian), then `qs[32]` (i8), element `j` = `qs[j] * d`. Rows follow each other; there is
+//! no separate scale tensor. Dequantization is ggml's `dequantize_row_q8_0` operation for operation
+//! (bit-identical); [`quantize_row`] is ggml's `quantize_row_q8_0_ref`.
+
+use super::{check_len, dispatch_avx2, elems, rd_f16, reduce, CodecError, Sizes, BLOCK, LANES};
+use half::f16;
+
+const NAME: &str = "Q8_0";
+
+/// Bytes of one block.
+pub const BLOCK_BYTES: usize = 34;
+
+/// Bytes of a `[rows, cols]` Q8_0 matrix (`scales` is 0: the scales are inside the blocks).
+pub fn sizes(rows: u64, cols: u64) -> Result<Sizes, CodecError> {
+    block_bytes(NAME, BLOCK_BYTES, rows, cols)
+}
+
+/// The sizes of a GGUF block format with the scales inside its 32-element blocks.
+pub(crate) fn block_bytes(dtype: &'static str, block_bytes: usize, rows: u64, cols: u64) -> Result<Sizes, CodecError> {
+    if cols % BLOCK as u64 != 0 {
+        return Err(CodecError::PartialBlock {
+            dtype,
+            count: cols,
+            block_elems: BLOCK as u64,
+        });
+    }
+    let values = rows
+        .checked_mul(cols / BLOCK as u64)
+        .and_then(|b| b.checked_mul(block_bytes as u64))
+        .ok_or(CodecError::Overflow { dtype, rows, cols })?;
+    Ok(Sizes { values, scales: 0 })
+}
+
+/// Checks that `n` elements are whole blocks and that `bytes` holds exactly their blocks.
+pub(crate) fn check_blocks(dtype: &'static str, block_bytes: usize, n: usize, bytes: usize) -> Result<(), CodecError> {
+    if n % BLOCK != 0 {
+        return Err(CodecError::PartialBlock {
+            dtype,
+            count: n as u64,
+            block_elems: BLOCK as u64,
+        });
+    }
+    check_len(dtype, "bytes", n / BLOCK * block_bytes, bytes)
+}
+
+/// ggml's `quantize_row_q8_0_ref`: per block `d = amax / 127`, `qs = round(x / d)` (half away from
+/// zero, as `roundf`), `d` stored as f16. Non-finite input, or a `d` beyond f16's range (`amax`
+/// above about 8.3e6, where ggml would store an infinity), is an error.
+pub fn quantize_row(x: &[f32], blocks: &mut [u8]) -> Result<(), CodecError> {
+    check_blocks(NAME, BLOCK_BYTES, x.len(), blocks.len())?;
+    for (b, (xb, y)) in x.chunks_exact(BLOCK).zip(blocks.chunks_exact_mut(BLOCK_BYTES)).enumerate() {
+        let mut amax = 0.0f32;
+        for (i, &v) in xb.iter().enumerate() {
+            if !v.is_finite() {
+                return Err(CodecError::NonFiniteInput {
+                    dtype: NAME,
+                    index: (b * BLOCK + i) as u64,
+                    value: v,
+                });
+            }
+            amax = amax.max(v.abs());
+        }
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let dh = f16::from_f32(d);
+        if !dh.is_finite() {
+            return Err(CodecError::NonFinite { dtype: NAME, block: b as u64 });
+        }
+        y[..2].copy_from_slice(&dh.to_bits().to_le_bytes());
+        for (q, &v) in y[2..].iter_mut().zip(xb) {
+            *q = (v * id).round() as i8 as u8;
+        }
+    }
+    Ok(())
+}
+
+/// ggml's `dequantize_row_q8_0`: `out[j] = qs[j] * d` per block; `out.len()` elements (whole
+/// blocks) from exactly their blocks. A non-finite `d` is [`CodecError::NonFinite`].
+pub fn dequantize_row(blocks: &[u8], out: &mut [f32]) -> Result<(), CodecError> {
+    check_blocks(NAME, BLOCK_BYTES, out.len(), blocks.len())?;
+    for (i, (y, b)) in out.chunks_exact_mut(BLOCK).zip(blocks.chunks_exact(BLOCK_BYTES)).enumerate() {
+        let d = rd_f16(b, 0);
+        if !d.is_finite() {
+            return Err(CodecError::NonFinite { dtype: NAME, block: i as u64 });
+        }
+        for (o, &q) in y.iter_mut().zip(&b[2..]) {
+            *o = (q as i8) as f32 * d;
+        }
+    }
+    Ok(())
+}
+
+/// Dequantizes a `[rows, cols]` matrix (`cols` a multiple of 32). Blocks are row-major and never
+/// straddle rows, so this is [`dequantize_row`] over the whole buffer, after the shape check.
+pub fn dequantize(blocks: &[u8], cols: usize, out: &mut [f32]) -> Result<(), CodecError> {
+    check_blocks(NAME, BLOCK_BYTES, cols, cols / BLOCK * BLOCK_BYTES)?;
+    dequantize_row(blocks, out)
+}
+
+/// `sum_b d_b * sum_{i in b} qs_i * x_i` in the codecs' lane order.
+#[inline(always)]
+fn dot(blocks: &[u8], x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    for (b, xb) in blocks.chunks_exact(BLOCK_BYTES).zip(x.chunks_exact(BLOCK)) {
+        let d = rd_f16(b, 0);
+        let qs = &b[2..];
+        let mut t = [0.0f32; LANES];
+        for k in 0..BLOCK / LANES {
+            for l in 0..LANES {
+                t[l] += (qs[k * LANES + l] as i8) as f32 * xb[k * LANES + l];
+            }
+        }
+        for l in 0..LANES {
+            acc[l] += t[l] * d;
+        }
+    }
+    reduce(acc)
+}
+
+#[inline(always)]
+fn rows_body(blocks: &[u8], x: &[f32], out: &mut [f32]) {
+    let row_bytes = x.len() / BLOCK * BLOCK_BYTES;
+    for (r, o) in out.iter_mut().enumerate() {
+        *o = dot(&blocks[r * row_bytes..(r + 1) * row_bytes], x);
+    }
+}
+
+dispatch_avx2!(rows_dispatch, fn(blocks: &[u8], x: &[f32], out: &mut [f32]) -> (), rows_body);
+
+/// One row's dot with `x` (`x.len()` a multiple of 32; `blocks` that row's blocks).
+pub fn dot_row(blocks: &[u8], x: &[f32]) -> Result<f32, CodecError> {
+    let mut out = [0.0f32];
+    matvec_rows(blocks, x, &mut out)?;
+    Ok(out[0])
+}
+
+/// `out[r]` = row `r`'s dot with `x` for `out.len()` rows of `x.len()` columns (pass the blocks of
+/// a row range to compute part of a matrix). A row whose result is not finite has its scales
+/// checked.
+pub fn matvec_rows(blocks: &[u8], x: &[f32], out: &mut [f32]) -> Result<(), CodecError> {
+    let n = elems(NAME, out.len(), x.len())?;
+    check_blocks(NAME, BLOCK_BYTES, x.len(), x.len() / BLOCK * BLOCK_BYTES)?;
+    check_blocks(NAME, BLOCK_BYTES, n, blocks.len())?;
+    rows_dispatch(blocks, x, out);
+    check_nonfinite_rows(NAME, BLOCK_BYTES, &[0], blocks, x.len(), out)
+}
+
+/// For each row whose result is not finite: `Err(NonFinite)` naming the first block of that row
+/// whose f16 scales (at `scale_offsets` in the block) are not finite.
+pub(crate) fn check_nonfinite_rows(
+    dtype: &'static str,
+    block_bytes: usize,
+    scale_offsets: &[usize],
+    blocks: &[u8],
+    cols: usize,
+    out: &[f32],
+) -> Result<(), CodecError> {
+    let per_row = cols / BLOCK;
+    for (r, o) in out.iter().enumerate() {
+        if o.is_finite() {
+            continue;
+        }
+        let row = &blocks[r * per_row * block_bytes..(r + 1) * per_row * block_bytes];
+        for (i, b) in row.chunks_exact(block_bytes).enumerate() {
+            if scale_offsets.iter().any(|&at| !rd_f16(b, at).is_finite()) {
+                return Err(CodecError::NonFinite {
+                    dtype,
+                    block: (r * per_row + i) as u64,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(v: f32) -> [u8; 2] {
+        f16::from_f32(v).to_bits().to_le_bytes()
+    }
+
+    #[test]
+    fn hand_block() {
+        let mut b = h(0.5).to_vec();
+        for i in 0..32 {
+            b.push((i as i8 - 16) as u8);
+        }
+        let mut out = [0f32; 32];
+        dequantize_row(&b, &mut out).unwrap();
+        for (i, &o) in out.iter().enumerate() {
+            assert_eq!(o, (i as f32 - 16.0) * 0.5);
+        }
+        // dot with x = 1: 0.5 * sum(i - 16) = 0.5 * -16 = -8
+        assert_eq!(dot_row(&b, &[1.0; 32]).unwrap(), -8.0);
+        b[0..2].copy_from_slice(&h(f32::INFINITY));
+        assert!(matches!(dot_row(&b, &[1.0; 32]), Err(CodecError::NonFinite { block: 0, .. })));
+        assert!(matches!(dequantize_row(&b, &mut out), Err(CodecError::NonFinite { block: 0, .. })));
+    }
+
+    #[test]
+    fn quantize_like_ggml_ref() {
+        // amax 127 -> d = 1; 2.5 rounds away from zero to 3, -2.5 to -3 (roundf), 0.49 to 0.
+        let mut x = [0.0f32; 32];
+        x[..5].copy_from_slice(&[127.0, 2.5, -2.5, 0.49, -127.0]);
+        let mut b = [0u8; 34];
+        quantize_row(&x, &mut b).unwrap();
+        assert_eq!(&b[..2], &h(1.0));
+        assert_eq!(&b[2..7], &[127, 3, (-3i8) as u8, 0, (-127i8) as u8]);
+        // An all-zero block: d = 0, qs = 0.
+        quantize_row(&[0.0; 32], &mut b).unwrap();
+        assert_eq!(b, [0u8; 34]);
+        assert!(matches!(quantize_row(&[1e7; 32], &mut b), Err(CodecError::NonFinite { block: 0, .. })));
+        assert!(matches!(quantize_row(&[0.0; 31], &mut b), Err(CodecError::PartialBlock { .. })));
+    }
+
+    #[test]
+    fn sizes_and_lengths() {
+        assert_eq!(sizes(3, 64).unwrap(), Sizes { values: 3 * 2 * 34, scales: 0 });
+        assert!(matches!(sizes(3, 40), Err(CodecError::PartialBlock { .. })));
+        assert!(matches!(sizes(u64::MAX / 2, 64), Err(CodecError::Overflow { .. })));
+        let mut out = [0f32; 2];
+        assert!(matches!(matvec_rows(&[0u8; 34], &[1.0; 32], &mut out), Err(CodecError::Length { what: "bytes", .. })));
+        assert!(matches!(matvec_rows(&[0u8; 34], &[1.0; 31], &mut out[..1]), Err(CodecError::PartialBlock { .. })));
+    }
+}
