@@ -100,7 +100,10 @@ pub struct ShapeDims {
     pub num_kv_heads: u64,
     pub head_dim: u64,
     pub intermediate_size: u64,
+    /// Absent from archives written before it was recorded here (dense models): 0.
+    #[serde(default)]
     pub num_experts: u64,
+    #[serde(default)]
     pub top_k: u64,
     pub tie_word_embeddings: bool,
 }

@@ -2,15 +2,16 @@
 //!
 //! Weights are row-major `[out, in]` like HF `nn.Linear`; activations are f32.
 
+use crate::codecs;
 use crate::engine::WeightView;
 use rayon::prelude::*;
 
 /// Row `token` of an embedding table `[vocab, hidden]`, times `scale` (Gemma: `sqrt(hidden)`).
 pub fn embedding(table: WeightView<'_>, token: usize, hidden: usize, scale: f32, out: &mut [f32]) {
     assert_eq!(out.len(), hidden);
-    let base = token * hidden;
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = table.get(base + i) * scale;
+    table.row_into(token, out);
+    if scale != 1.0 {
+        out.iter_mut().for_each(|o| *o *= scale);
     }
 }
 
@@ -33,6 +34,7 @@ pub fn rms_norm_view(x: &[f32], w: WeightView<'_>, eps: f32, out: &mut [f32]) {
     match w {
         WeightView::F32(w) => out.iter_mut().zip(x).zip(w).for_each(|((o, &v), &g)| *o = v * inv * g),
         WeightView::Bf16(w) => out.iter_mut().zip(x).zip(w).for_each(|((o, &v), &g)| *o = v * inv * g.widen()),
+        other => panic!("a {} norm weight (bind admits only f32 and bf16 norms)", other.dtype().name()),
     }
 }
 
@@ -50,6 +52,7 @@ pub fn rms_norm_chunks_view(x: &mut [f32], w: WeightView<'_>, eps: f32) {
         match w {
             WeightView::F32(w) => chunk.iter_mut().zip(w).for_each(|(v, &g)| *v = *v * inv * g),
             WeightView::Bf16(w) => chunk.iter_mut().zip(w).for_each(|(v, &g)| *v = *v * inv * g.widen()),
+            other => panic!("a {} norm weight (bind admits only f32 and bf16 norms)", other.dtype().name()),
         }
     }
 }
@@ -207,12 +210,15 @@ fn rows_f32(w: &[f32], x: &[f32], out: &mut [f32]) {
 
 /// `out[r - row0] = w[r, :] . x` for rows `row0 .. row0 + out.len()` of `w` (`[_, x.len()]`).
 fn rows_of(w: WeightView<'_>, x: &[f32], row0: usize, out: &mut [f32]) {
-    let n = x.len();
-    let (a, b) = (row0 * n, (row0 + out.len()) * n);
-    match w {
-        WeightView::F32(w) => rows_f32(&w[a..b], x, out),
-        WeightView::Bf16(w) => rows_bf16(&w[a..b], x, out),
-    }
+    let ok = match w.rows(row0, row0 + out.len(), x.len()) {
+        WeightView::F32(w) => Ok(rows_f32(w, x, out)),
+        WeightView::Bf16(w) => Ok(rows_bf16(w, x, out)),
+        WeightView::F8E4m3 { values, scales, .. } => codecs::fp8::matvec_rows(values, scales, x, out),
+        WeightView::Mxfp4 { values, scales, postscale, .. } => codecs::mxfp4::matvec_rows(values, scales, postscale, x, out),
+        WeightView::Q8_0 { blocks, .. } => codecs::q8_0::matvec_rows(blocks, x, out),
+        WeightView::Q4_1 { blocks, .. } => codecs::q4_1::matvec_rows(blocks, x, out),
+    };
+    ok.expect("a view's rows were checked when it was made");
 }
 
 /// Threads the CPU ops run on (rayon's global pool; `RAYON_NUM_THREADS` sets it).

@@ -2,36 +2,38 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Storage type of a tensor inside a `.thin` archive.
-///
-/// FP8 and MXFP4 are defined now so that later profiles only add codecs.
+/// Storage type of a tensor's values inside a `.thin` archive. Scales that are not inline live in
+/// the tensor's scale sections ([`crate::weight_format`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DType {
     F32,
     F16,
     Bf16,
-    /// FP8 e4m3 values; per-row f32 scales live in a companion tensor.
+    /// FP8 e4m3 values, one byte each; one f32 scale per row in a scale section.
     F8E4m3,
-    /// MXFP4: e2m1 values packed two per byte, one e8m0 scale byte per 32 values.
+    /// MXFP4: e2m1 codes packed two per byte; one e8m0 exponent per 32 values in a scale section.
     Mxfp4,
+    /// GGUF Q8_0 blocks as ggml stores them: f16 scale and 32 i8 values (34 bytes).
+    #[serde(rename = "q8_0")]
+    Q8_0,
+    /// GGUF Q4_1 blocks as ggml stores them: f16 scale, f16 minimum, 32 4-bit values (20 bytes).
+    #[serde(rename = "q4_1")]
+    Q4_1,
 }
 
 impl DType {
-    /// Bytes needed for `n` elements, or `None` when `n` is not a valid count for the type
-    /// (MXFP4 needs whole blocks of 32) or the product overflows.
+    /// Bytes of the values (scale sections not counted) of `n` elements, or `None` when `n` is
+    /// not a whole number of blocks of 32 (MXFP4, Q8_0, Q4_1) or the product overflows.
     pub fn bytes_for(self, n: u64) -> Option<u64> {
+        let blocks = |bytes: u64| if n % 32 == 0 { (n / 32).checked_mul(bytes) } else { None };
         match self {
             DType::F32 => n.checked_mul(4),
             DType::F16 | DType::Bf16 => n.checked_mul(2),
             DType::F8E4m3 => Some(n),
-            DType::Mxfp4 => {
-                if n % 32 != 0 {
-                    None
-                } else {
-                    (n / 32).checked_mul(17)
-                }
-            }
+            DType::Mxfp4 => blocks(16),
+            DType::Q8_0 => blocks(34),
+            DType::Q4_1 => blocks(20),
         }
     }
 
@@ -42,6 +44,8 @@ impl DType {
             DType::Bf16 => "bf16",
             DType::F8E4m3 => "f8_e4m3",
             DType::Mxfp4 => "mxfp4",
+            DType::Q8_0 => "q8_0",
+            DType::Q4_1 => "q4_1",
         }
     }
 }
@@ -111,7 +115,11 @@ mod tests {
     #[test]
     fn sizes() {
         assert_eq!(DType::Bf16.bytes_for(10), Some(20));
-        assert_eq!(DType::Mxfp4.bytes_for(64), Some(34));
+        assert_eq!(DType::Mxfp4.bytes_for(64), Some(32));
+        assert_eq!(DType::Q8_0.bytes_for(64), Some(68));
+        assert_eq!(DType::Q4_1.bytes_for(64), Some(40));
+        assert_eq!(serde_json::to_string(&DType::Q4_1).unwrap(), "\"q4_1\"");
+        assert_eq!(serde_json::to_string(&DType::F8E4m3).unwrap(), "\"f8_e4m3\"");
         assert_eq!(DType::Mxfp4.bytes_for(33), None);
         assert_eq!(SourceDType::Q4_1.bytes_for(64), Some(40));
         assert_eq!(SourceDType::Q6K.bytes_for(256), Some(210));

@@ -1,5 +1,6 @@
 //! The engine interface generated engines implement, and the weights view they read.
 
+use crate::codecs;
 use crate::role::Role;
 
 /// A failure inside an engine step; every variant names what was wrong.
@@ -9,6 +10,10 @@ pub enum EngineError {
     MissingWeight { role: Role, layer: Option<u32> },
     #[error("weight {role:?} (layer {layer:?}) has {got} elements, expected {expected}")]
     WeightSize { role: Role, layer: Option<u32>, expected: usize, got: usize },
+    #[error("weight {role:?} (layer {layer:?}) cannot be read: {reason}")]
+    BadWeight { role: Role, layer: Option<u32>, reason: String },
+    #[error("weight {role:?} (layer {layer:?}) is stored as {dtype}; a norm vector must be f32 or bf16")]
+    NormType { role: Role, layer: Option<u32>, dtype: &'static str },
     #[error("token {token} is outside the vocabulary of {vocab}")]
     TokenOutOfRange { token: u32, vocab: usize },
     #[error("context is full: position {pos} reaches max_seq {max_seq}")]
@@ -45,18 +50,34 @@ impl<E: Engine + ?Sized> Engine for Box<E> {
     }
 }
 
-/// A borrowed tensor in the element type it is stored in.
+/// A borrowed tensor in the format it is stored in: the matvec of each format decodes its rows in
+/// registers ([`crate::cpu::matvec`] picks the format's kernel once per call, not per element).
+/// Quantized views hold whole rows of `cols` values; their lengths are checked when the view is
+/// made ([`crate::format::Archive::tensor_view`]).
 #[derive(Debug, Clone, Copy)]
 pub enum WeightView<'a> {
     F32(&'a [f32]),
     Bf16(&'a [half::bf16]),
+    /// FP8 e4m3 codes, one f32 scale per row.
+    F8E4m3 { values: &'a [u8], scales: &'a [f32], cols: usize },
+    /// MXFP4 e2m1 codes two a byte, an e8m0 exponent per 32 values, optionally a bf16 row postscale.
+    Mxfp4 { values: &'a [u8], scales: &'a [u8], postscale: Option<&'a [half::bf16]>, cols: usize },
+    /// GGUF Q8_0 blocks (34 bytes per 32 values).
+    Q8_0 { blocks: &'a [u8], cols: usize },
+    /// GGUF Q4_1 blocks (20 bytes per 32 values).
+    Q4_1 { blocks: &'a [u8], cols: usize },
 }
 
-impl WeightView<'_> {
+impl<'a> WeightView<'a> {
+    /// Number of values.
     pub fn len(&self) -> usize {
-        match self {
+        match *self {
             WeightView::F32(w) => w.len(),
             WeightView::Bf16(w) => w.len(),
+            WeightView::F8E4m3 { values, .. } => values.len(),
+            WeightView::Mxfp4 { values, .. } => values.len() * 2,
+            WeightView::Q8_0 { blocks, .. } => blocks.len() / codecs::q8_0::BLOCK_BYTES * 32,
+            WeightView::Q4_1 { blocks, .. } => blocks.len() / codecs::q4_1::BLOCK_BYTES * 32,
         }
     }
 
@@ -64,29 +85,94 @@ impl WeightView<'_> {
         self.len() == 0
     }
 
-    /// Element `i` as f32.
-    #[inline]
-    pub fn get(&self, i: usize) -> f32 {
+    /// The storage type's name (`bf16`, `f8_e4m3`, ...).
+    pub fn dtype(&self) -> crate::dtype::DType {
+        use crate::dtype::DType;
         match self {
-            WeightView::F32(w) => w[i],
-            WeightView::Bf16(w) => w[i].to_f32(),
+            WeightView::F32(_) => DType::F32,
+            WeightView::Bf16(_) => DType::Bf16,
+            WeightView::F8E4m3 { .. } => DType::F8E4m3,
+            WeightView::Mxfp4 { .. } => DType::Mxfp4,
+            WeightView::Q8_0 { .. } => DType::Q8_0,
+            WeightView::Q4_1 { .. } => DType::Q4_1,
         }
     }
 
-    /// Elements `start..end` (one expert of a stacked MoE tensor).
-    pub fn slice(&self, start: usize, end: usize) -> WeightView<'_> {
-        match self {
-            WeightView::F32(w) => WeightView::F32(&w[start..end]),
-            WeightView::Bf16(w) => WeightView::Bf16(&w[start..end]),
+    /// Rows `r0..r1` of rows of `n` values (`n` is the row length: for quantized views it must
+    /// be their `cols`).
+    pub fn rows(&self, r0: usize, r1: usize, n: usize) -> WeightView<'a> {
+        match *self {
+            WeightView::F32(w) => WeightView::F32(&w[r0 * n..r1 * n]),
+            WeightView::Bf16(w) => WeightView::Bf16(&w[r0 * n..r1 * n]),
+            WeightView::F8E4m3 { values, scales, cols } => {
+                assert_eq!(n, cols, "fp8 rows are {cols} values");
+                WeightView::F8E4m3 { values: &values[r0 * cols..r1 * cols], scales: &scales[r0..r1], cols }
+            }
+            WeightView::Mxfp4 { values, scales, postscale, cols } => {
+                assert_eq!(n, cols, "mxfp4 rows are {cols} values");
+                WeightView::Mxfp4 {
+                    values: &values[r0 * cols / 2..r1 * cols / 2],
+                    scales: &scales[r0 * cols / 32..r1 * cols / 32],
+                    postscale: postscale.map(|p| &p[r0..r1]),
+                    cols,
+                }
+            }
+            WeightView::Q8_0 { blocks, cols } => {
+                assert_eq!(n, cols, "q8_0 rows are {cols} values");
+                let b = cols / 32 * codecs::q8_0::BLOCK_BYTES;
+                WeightView::Q8_0 { blocks: &blocks[r0 * b..r1 * b], cols }
+            }
+            WeightView::Q4_1 { blocks, cols } => {
+                assert_eq!(n, cols, "q4_1 rows are {cols} values");
+                let b = cols / 32 * codecs::q4_1::BLOCK_BYTES;
+                WeightView::Q4_1 { blocks: &blocks[r0 * b..r1 * b], cols }
+            }
         }
     }
 
-    /// Copy out as f32 (norm vectors are small; the hot matvecs read the view directly).
+    /// Values `start..end`, whole rows of a quantized view (one expert of a stacked MoE tensor).
+    pub fn slice(&self, start: usize, end: usize) -> WeightView<'a> {
+        let n = self.row_len().unwrap_or(1);
+        assert!(start % n == 0 && end % n == 0, "a slice of a quantized view must be whole rows of {n}");
+        self.rows(start / n, end / n, n)
+    }
+
+    /// The row length of a quantized view (plain views have no fixed one).
+    pub fn row_len(&self) -> Option<usize> {
+        match *self {
+            WeightView::F32(_) | WeightView::Bf16(_) => None,
+            WeightView::F8E4m3 { cols, .. } | WeightView::Mxfp4 { cols, .. } | WeightView::Q8_0 { cols, .. } | WeightView::Q4_1 { cols, .. } => Some(cols),
+        }
+    }
+
+    /// Row `r` of rows of `out.len()` values, decoded to f32 (an embedding lookup).
+    pub fn row_into(&self, r: usize, out: &mut [f32]) {
+        let n = out.len();
+        let ok = match self.rows(r, r + 1, n) {
+            WeightView::F32(w) => {
+                out.copy_from_slice(w);
+                Ok(())
+            }
+            WeightView::Bf16(w) => {
+                out.iter_mut().zip(w).for_each(|(o, v)| *o = v.to_f32());
+                Ok(())
+            }
+            WeightView::F8E4m3 { values, scales, .. } => codecs::fp8::dequantize_row(values, scales[0], out),
+            WeightView::Mxfp4 { values, scales, postscale, .. } => codecs::mxfp4::dequantize_row(values, scales, postscale.map(|p| p[0]), out),
+            WeightView::Q8_0 { blocks, .. } => codecs::q8_0::dequantize_row(blocks, out),
+            WeightView::Q4_1 { blocks, .. } => codecs::q4_1::dequantize_row(blocks, out),
+        };
+        ok.expect("a view's rows were checked when it was made");
+    }
+
+    /// Copy out as f32 (norm vectors, tests; the hot matvecs read the view directly).
     pub fn to_f32_vec(&self) -> Vec<f32> {
-        match self {
-            WeightView::F32(w) => w.to_vec(),
-            WeightView::Bf16(w) => w.iter().map(|x| x.to_f32()).collect(),
+        let n = self.row_len().unwrap_or(self.len().max(1));
+        let mut out = vec![0.0; self.len()];
+        for (r, o) in out.chunks_exact_mut(n).enumerate() {
+            self.row_into(r, o);
         }
+        out
     }
 }
 
@@ -100,14 +186,23 @@ pub trait Weights {
     /// The tensor behind a handle from [`Weights::find`] (empty if the handle is not one).
     fn at(&self, handle: usize) -> WeightView<'_>;
 
+    /// The tensor behind a handle, or why it cannot be read (checked once, at [`Weights::bind`]).
+    fn try_at(&self, handle: usize) -> Result<WeightView<'_>, String> {
+        Ok(self.at(handle))
+    }
+
     fn get(&self, role: Role, layer: Option<u32>) -> Option<WeightView<'_>> {
         self.find(role, layer).map(|h| self.at(h))
     }
 
-    /// The handle of (role, layer), its element count checked once here.
+    /// The handle of (role, layer), its format and element count checked once here.
     fn bind(&self, role: Role, layer: Option<u32>, expected: usize) -> Result<usize, EngineError> {
         let h = self.find(role, layer).ok_or(EngineError::MissingWeight { role, layer })?;
-        let got = self.at(h).len();
+        let view = self.try_at(h).map_err(|reason| EngineError::BadWeight { role, layer, reason })?;
+        if role.is_norm() && view.row_len().is_some() {
+            return Err(EngineError::NormType { role, layer, dtype: view.dtype().name() });
+        }
+        let got = view.len();
         if got != expected {
             return Err(EngineError::WeightSize { role, layer, expected, got });
         }
@@ -138,9 +233,12 @@ impl Weights for crate::format::Archive {
         self.manifest().tensors.iter().position(|t| t.role == role && t.layer == layer)
     }
     fn at(&self, handle: usize) -> WeightView<'_> {
-        // A tensor whose pages or type the engine cannot read is empty here, so `bind` refuses it
-        // by its size; a bound handle reads the same bytes every time (the mmap is immutable).
+        // `bind` has read this handle through `try_at` without error, and the mmap is immutable,
+        // so a bound handle never lands here empty.
         self.tensor_view(handle).unwrap_or(WeightView::F32(&[]))
+    }
+    fn try_at(&self, handle: usize) -> Result<WeightView<'_>, String> {
+        self.check_tensor(handle).map_err(|e| e.to_string())
     }
 }
 
@@ -152,6 +250,9 @@ impl<T: Weights + ?Sized> Weights for std::sync::Arc<T> {
     }
     fn at(&self, handle: usize) -> WeightView<'_> {
         (**self).at(handle)
+    }
+    fn try_at(&self, handle: usize) -> Result<WeightView<'_>, String> {
+        (**self).try_at(handle)
     }
 }
 

@@ -14,6 +14,8 @@ use rayon::prelude::*;
 use crate::dtype::DType;
 use crate::manifest::{Manifest, TensorEntry, MANIFEST_FORMAT};
 use crate::role::Role;
+use crate::engine::WeightView;
+use crate::weight_format::{ScaleKind, WeightLayout};
 
 #[doc(hidden)]
 pub mod testkit;
@@ -117,6 +119,8 @@ pub enum FormatError {
     TensorNotFound { role: String },
     #[error("tensor {tensor} is {found:?}, asked for {expected:?}")]
     WrongDType { tensor: String, expected: DType, found: DType },
+    #[error("tensor {tensor} has bad scales: {reason}")]
+    BadScales { tensor: String, reason: String },
     #[error("tensor {tensor} bytes are not aligned for its element type")]
     Unaligned { tensor: String },
     #[error("max page size {0} is not a positive multiple of {PAGE_ALIGN}")]
@@ -250,12 +254,19 @@ fn shape_product(t: &TensorEntry) -> Result<u64, FormatError> {
     })
 }
 
-fn expected_bytes(t: &TensorEntry) -> Result<u64, FormatError> {
-    let n = shape_product(t)?;
-    t.dtype.bytes_for(n).ok_or_else(|| FormatError::BadShape {
-        tensor: t.name.clone(),
-        reason: format!("{n} elements is not a valid {} count or its byte size overflows", t.dtype.name()),
-    })
+/// The layout `t`'s storage type gives its shape, checked against the entry's block size and
+/// scale sections; its `byte_len` is what the tensor's bytes must be.
+fn expected_layout(t: &TensorEntry) -> Result<WeightLayout, FormatError> {
+    let bad = |reason: String| FormatError::BadShape { tensor: t.name.clone(), reason };
+    let postscale = t.dtype == DType::Mxfp4 && t.scales.iter().any(|s| s.kind == ScaleKind::Row);
+    let l = WeightLayout::of(t.dtype, &t.shape, postscale).map_err(|e| bad(e.to_string()))?;
+    if t.block_size != l.block_size {
+        return Err(bad(format!("block_size {} but {} rows of {} values need {}", t.block_size, t.dtype.name(), l.cols, l.block_size)));
+    }
+    if t.scales != l.scales {
+        return Err(bad(format!("scale sections {:?} but {} {:?} needs {:?}", t.scales, t.dtype.name(), t.shape, l.scales)));
+    }
+    Ok(l)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -372,7 +383,7 @@ impl ArchiveWriter {
         if self.max_page_size == 0 || self.max_page_size % PAGE_ALIGN != 0 {
             return Err(FormatError::InvalidMaxPageSize(self.max_page_size));
         }
-        let need = expected_bytes(&entry)?;
+        let need = expected_layout(&entry)?.byte_len;
         if need != bytes.len() as u64 {
             return Err(FormatError::BadShape {
                 tensor: entry.name.clone(),
@@ -692,16 +703,49 @@ impl Archive {
         Ok((t, self.tensor_bytes(t)?))
     }
 
-    /// The manifest's tensor `index` in its stored type, zero-copy (f32 and bf16; other types
-    /// have no CPU view yet).
-    pub fn tensor_view(&self, index: usize) -> Result<crate::engine::WeightView<'_>, FormatError> {
+    /// The manifest's tensor `index` in its stored format, zero-copy. Cheap (no allocation, no
+    /// scan of the values): engines call it per op. [`Archive::check_tensor`] checks the scales.
+    pub fn tensor_view(&self, index: usize) -> Result<WeightView<'_>, FormatError> {
         let t = self.manifest.tensors.get(index).ok_or(FormatError::TensorNotFound { role: format!("tensor #{index}") })?;
         let b = self.tensor_bytes(t)?;
-        match t.dtype {
-            DType::F32 => Ok(crate::engine::WeightView::F32(elements(t, b)?)),
-            DType::Bf16 => Ok(crate::engine::WeightView::Bf16(elements(t, b)?)),
-            other => Err(FormatError::WrongDType { tensor: t.name.clone(), expected: DType::Bf16, found: other }),
+        // Open checked that the sections are the layout's (in its order) and inside byte_len.
+        let section = |i: usize| t.scales.get(i).map(|s| &b[s.offset as usize..(s.offset + s.byte_len()) as usize]);
+        let missing = || FormatError::BadShape { tensor: t.name.clone(), reason: format!("{} without its scale section", t.dtype.name()) };
+        let cols = t.shape.last().copied().unwrap_or(1) as usize;
+        let values = &b[..t.dtype.bytes_for(t.shape.iter().product()).unwrap_or(0) as usize];
+        Ok(match t.dtype {
+            DType::F32 => WeightView::F32(elements(t, b)?),
+            DType::Bf16 => WeightView::Bf16(elements(t, b)?),
+            DType::F8E4m3 => WeightView::F8E4m3 { values, scales: elements(t, section(0).ok_or_else(missing)?)?, cols },
+            DType::Mxfp4 => WeightView::Mxfp4 {
+                values,
+                scales: section(0).ok_or_else(missing)?,
+                postscale: section(1).map(|s| elements(t, s)).transpose()?,
+                cols,
+            },
+            DType::Q8_0 => WeightView::Q8_0 { blocks: values, cols },
+            DType::Q4_1 => WeightView::Q4_1 { blocks: values, cols },
+            DType::F16 => return Err(FormatError::WrongDType { tensor: t.name.clone(), expected: DType::Bf16, found: DType::F16 }),
+        })
+    }
+
+    /// [`Archive::tensor_view`], with its scales checked: FP8 row scales finite and > 0, no NaN
+    /// (0xff) MXFP4 exponent, MXFP4 postscales finite and > 0. Engines call it once per tensor, at load.
+    pub fn check_tensor(&self, index: usize) -> Result<WeightView<'_>, FormatError> {
+        let v = self.tensor_view(index)?;
+        let t = &self.manifest.tensors[index];
+        let bad = |e: crate::codecs::CodecError| FormatError::BadScales { tensor: t.name.clone(), reason: e.to_string() };
+        match v {
+            WeightView::F8E4m3 { scales, .. } => crate::codecs::fp8::check_scales(scales).map_err(bad)?,
+            WeightView::Mxfp4 { scales, postscale, .. } => {
+                crate::codecs::mxfp4::check_scales(scales, 0).map_err(bad)?;
+                if let Some(p) = postscale {
+                    crate::codecs::mxfp4::check_postscales(p).map_err(bad)?;
+                }
+            }
+            WeightView::F32(_) | WeightView::Bf16(_) | WeightView::Q8_0 { .. } | WeightView::Q4_1 { .. } => {}
         }
+        Ok(v)
     }
 
     /// F32 tensor by role and layer, zero-copy.
@@ -828,7 +872,7 @@ pub fn validate_manifest(m: &Manifest, pages: &[PageEntry]) -> Result<(), Format
         }
         let n = shape_product(t)?;
         params = params.checked_add(n).ok_or(FormatError::Overflow { field: "parameter_count" })?;
-        let need = expected_bytes(t)?;
+        let need = expected_layout(t)?.byte_len;
         let mismatch = |reason: String| FormatError::ManifestPageMismatch { tensor: t.name.clone(), reason };
         if t.byte_len != need {
             return Err(mismatch(format!("byte_len {} but shape {:?} {} needs {need}", t.byte_len, t.shape, t.dtype.name())));

@@ -19,3 +19,4 @@ pub mod safetensors_dir;
 pub mod sampler;
 pub mod source;
 pub mod tokenizer;
+pub mod weight_format;

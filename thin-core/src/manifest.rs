@@ -8,6 +8,11 @@ use crate::arch::ArchConfig;
 use crate::dtype::{DType, SourceDType};
 use crate::quant::QuantizationDescriptor;
 use crate::role::Role;
+use crate::weight_format::ScaleSection;
+
+fn one() -> u64 {
+    1
+}
 
 pub const MANIFEST_FORMAT: &str = "thin-manifest/0";
 
@@ -46,7 +51,16 @@ pub struct TensorEntry {
     pub layer: Option<u32>,
     /// Row-major shape, outermost first (`[out_features, in_features]` for linear weights).
     pub shape: Vec<u64>,
+    /// Storage type of the values.
     pub dtype: DType,
+    /// Values that share one scale along a row: 1 for plain types, 32 for GGUF blocks and MXFP4,
+    /// the row length for FP8 row scales. Checked against the storage type at open.
+    #[serde(default = "one")]
+    pub block_size: u64,
+    /// The scale sections stored after the values in this tensor's bytes, as
+    /// [`crate::weight_format::WeightLayout::of`] lays them out; empty for plain and GGUF types.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub scales: Vec<ScaleSection>,
     /// Pages `first_page .. first_page + page_count` hold the tensor's bytes back to back.
     pub first_page: u32,
     pub page_count: u32,

@@ -302,7 +302,7 @@ fn elem_bytes(t: DType) -> usize {
     match t {
         DType::F32 => 4,
         DType::F16 | DType::Bf16 => 2,
-        DType::F8E4m3 | DType::Mxfp4 => 1,
+        DType::F8E4m3 | DType::Mxfp4 | DType::Q8_0 | DType::Q4_1 => 1,
     }
 }
 

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use crate::arch::{ArchConfig, Family, RopeConfig, ShapeDims};
 use crate::dtype::{DType, SourceDType};
 use crate::manifest::{BackendHints, Manifest, SourceInfo, TensorEntry, TokenizerInfo, Validation, MANIFEST_FORMAT};
-use crate::quant::{Profile, QuantizationDescriptor};
+use crate::quant::QuantizationDescriptor;
 use crate::role::Role;
 
 use super::{ArchiveWriter, FormatError, Header, PageEntry, HEADER_LEN, PAGE_ENTRY_LEN};
@@ -55,7 +55,7 @@ pub fn tiny_manifest(arch: ArchConfig) -> Manifest {
             add_bos: true,
         },
         tensors: vec![],
-        quantization: QuantizationDescriptor::for_profile(Profile::Bf16, vec![], serde_json::Value::Null),
+        quantization: QuantizationDescriptor::from_plan("bf16", vec![], &[], serde_json::Value::Null),
         backend_hints: BackendHints { alignment: 0, max_page_size: 0, layouts: BTreeMap::new() },
         validation: Validation { parameter_count: 0, tensor_count: 0, tensor_blake3: BTreeMap::new() },
         source: SourceInfo { kind: "safetensors".into(), files: vec!["model.safetensors".into()], details: BTreeMap::new() },
@@ -69,6 +69,8 @@ pub fn entry(role: Role, layer: Option<u32>, shape: Vec<u64>, dtype: DType) -> T
         layer,
         shape,
         dtype,
+        block_size: 1,
+        scales: Vec::new(),
         first_page: 0,
         page_count: 0,
         byte_len: 0,
