@@ -31,10 +31,74 @@ fn totals<'a>(
 fn method_counts(m: &Manifest) -> BTreeMap<String, u64> {
     let mut out = BTreeMap::new();
     for p in &m.quantization.plan {
-        let name = serde_json::to_value(p.method).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
-        *out.entry(name).or_default() += 1;
+        *out.entry(p.method.name().to_string()).or_default() += 1;
     }
     out
+}
+
+/// One row of the plan table: the tensors of one role stored by one method.
+struct PlanRow {
+    role: &'static str,
+    /// Layer ranges (`0-6, 22-29`), or `-` for tensors outside the layers.
+    layers: String,
+    method: String,
+    tensors: u64,
+    bytes: u64,
+}
+
+/// `0-6, 9, 22-29` from sorted layer indices.
+fn ranges(layers: &[u32]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < layers.len() {
+        let mut j = i;
+        while j + 1 < layers.len() && layers[j + 1] == layers[j] + 1 {
+            j += 1;
+        }
+        out.push(if i == j { layers[i].to_string() } else { format!("{}-{}", layers[i], layers[j]) });
+        i = j + 1;
+    }
+    if out.is_empty() {
+        "-".into()
+    } else {
+        out.join(", ")
+    }
+}
+
+/// The quantization plan grouped by role and method, in role order.
+fn plan_rows(m: &Manifest) -> Vec<PlanRow> {
+    let method_of: BTreeMap<&str, &str> = m.quantization.plan.iter().map(|p| (p.name.as_str(), p.method.name())).collect();
+    let mut groups: BTreeMap<(thin_core::role::Role, &str), (Vec<u32>, u64, u64)> = BTreeMap::new();
+    for t in &m.tensors {
+        let method = method_of.get(t.name.as_str()).copied().unwrap_or(t.dtype.name());
+        let g = groups.entry((t.role, method)).or_default();
+        g.0.extend(t.layer);
+        g.1 += 1;
+        g.2 += t.byte_len;
+    }
+    groups
+        .into_iter()
+        .map(|((role, method), (mut layers, tensors, bytes))| {
+            layers.sort_unstable();
+            PlanRow { role: role.name(), layers: ranges(&layers), method: method.to_string(), tensors, bytes }
+        })
+        .collect()
+}
+
+/// Weight bytes one decode step reads: every matrix whole, except the token embedding (one row;
+/// all of it when it is also the LM head) and the experts (top_k of num_experts).
+fn bytes_per_token(m: &Manifest) -> u64 {
+    use thin_core::role::Role;
+    let d = &m.arch.dims;
+    m.tensors
+        .iter()
+        .map(|t| match t.role {
+            Role::TokenEmbd if d.tie_word_embeddings => t.byte_len + t.byte_len / d.vocab_size.max(1),
+            Role::TokenEmbd => t.byte_len / d.vocab_size.max(1),
+            Role::MoeGate | Role::MoeUp | Role::MoeDown => t.byte_len / d.num_experts.max(1) * d.top_k,
+            _ => t.byte_len,
+        })
+        .sum()
 }
 
 /// Vocab entries plus added tokens of an embedded tokenizer.json.
@@ -99,6 +163,8 @@ pub fn to_json(a: &Archive) -> Value {
             "group_size": q.group_size, "scale_dtype": q.scale_dtype.map(|d| d.name()), "zero_point": q.zero_point,
             "modules_to_not_convert": q.modules_to_not_convert, "source_config": q.source_config,
             "methods": method_counts(m),
+            "plan": plan_rows(m).iter().map(|r| json!({"role": r.role, "layers": r.layers, "method": r.method, "tensors": r.tensors, "bytes": r.bytes})).collect::<Vec<_>>(),
+            "bytes_per_token": bytes_per_token(m),
             "exact_storage_preserved": m.tensors.iter().filter(|t| t.exact_storage_preserved).count(),
         },
         "source": m.source,
@@ -176,5 +242,11 @@ pub fn to_text(a: &Archive) -> String {
         method_counts(m),
         q.modules_to_not_convert.len()
     );
+    let _ = writeln!(s, "plan      {:<16} {:<24} {:<16} {:>7} {:>14}", "role", "layers", "method", "tensors", "bytes");
+    for r in plan_rows(m) {
+        let _ = writeln!(s, "          {:<16} {:<24} {:<16} {:>7} {:>14}", r.role, r.layers, r.method, r.tensors, r.bytes);
+    }
+    let per_token = bytes_per_token(m);
+    let _ = writeln!(s, "          {per_token} weight bytes read per decode token ({:.1} MiB)", per_token as f64 / (1 << 20) as f64);
     s
 }

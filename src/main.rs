@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
 use thin_core::convert::{convert, ConvertOptions};
 use thin_core::format::Archive;
 use thin_core::quant::Profile;
@@ -21,23 +21,9 @@ struct Cli {
     command: Command,
 }
 
-#[derive(Clone, Copy, ValueEnum)]
-enum ProfileArg {
-    Bf16,
-    F32,
-    /// bf16, with the embedding / LM head and the first and last layers' matrices f32.
-    #[value(name = "bf16-f32edges")]
-    Bf16F32Edges,
-}
-
-impl From<ProfileArg> for Profile {
-    fn from(p: ProfileArg) -> Profile {
-        match p {
-            ProfileArg::Bf16 => Profile::Bf16,
-            ProfileArg::F32 => Profile::F32,
-            ProfileArg::Bf16F32Edges => Profile::Bf16F32Edges,
-        }
-    }
+/// `--profile NAME|PATH`: a shipped profile or a user's TOML file, checked as clap parses it.
+fn parse_profile(s: &str) -> Result<Profile, String> {
+    Profile::load(s).map_err(|e| e.to_string())
 }
 
 #[derive(Subcommand)]
@@ -49,8 +35,14 @@ enum Command {
         /// Output archive.
         #[arg(short, long)]
         out: PathBuf,
-        #[arg(long, value_enum, default_value = "bf16")]
-        profile: ProfileArg,
+        /// A shipped profile (bf16, f32, bf16-f32edges, fp8, mxfp4, native; see profiles/) or the
+        /// path of your own profile file.
+        #[arg(long, default_value = "bf16", value_parser = parse_profile)]
+        profile: Profile,
+        /// Let the profile quantize tensors the source already stores as quantized blocks
+        /// (rounding twice; refused by default).
+        #[arg(long)]
+        allow_requantize: bool,
         /// No progress bar or summary.
         #[arg(long)]
         quiet: bool,
@@ -129,7 +121,7 @@ fn main() -> ExitCode {
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Run(args) => run::run(args),
-        Command::Convert { src, out, profile, quiet } => {
+        Command::Convert { src, out, profile, allow_requantize, quiet } => {
             // An interrupted convert removes its temporary file (the final name is only ever a
             // whole archive: it is renamed into place at the end).
             let _ = ctrlc::set_handler(|| {
@@ -141,7 +133,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             for p in thin_core::format::remove_stale_temporaries(&out) {
                 eprintln!("removed {}, left by a convert that was killed", p.display());
             }
-            let opts = ConvertOptions { profile: profile.into(), progress: !quiet, archs: thin_generated::KNOWN_ARCHS };
+            let opts = ConvertOptions { profile, allow_requantize, progress: !quiet, archs: thin_generated::KNOWN_ARCHS };
             let r = convert(&src, &out, &opts)
                 .with_context(|| format!("converting {} to {}", src.display(), out.display()))?;
             if !quiet {

@@ -132,7 +132,7 @@ fn residual_adds_follow_a_kernel_that_leaves_the_residual_alone() {
 fn archive(name: &str, dir: &tempfile::TempDir) -> Archive {
     let src = root().join("tests/fixtures/tiny").join(name);
     let out = dir.path().join(format!("{name}.thin"));
-    convert(&src, &out, &ConvertOptions { profile: Profile::Bf16, progress: false, archs: thin_generated::KNOWN_ARCHS }).expect("convert");
+    convert(&src, &out, &ConvertOptions { profile: Profile::shipped("bf16").expect("shipped"), allow_requantize: false, progress: false, archs: thin_generated::KNOWN_ARCHS }).expect("convert");
     Archive::open(&out).expect("open")
 }
 

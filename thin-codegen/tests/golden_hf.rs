@@ -47,7 +47,7 @@ fn reference(name: &str) -> Reference {
 
 fn archive(name: &str, dir: &tempfile::TempDir) -> Archive {
     let out = dir.path().join(format!("{name}.thin"));
-    convert(&fixture(name), &out, &ConvertOptions { profile: Profile::F32, progress: false, archs: thin_generated::KNOWN_ARCHS }).expect("convert");
+    convert(&fixture(name), &out, &ConvertOptions { profile: Profile::shipped("f32").expect("shipped"), allow_requantize: false, progress: false, archs: thin_generated::KNOWN_ARCHS }).expect("convert");
     Archive::open(&out).expect("open")
 }
 

@@ -32,7 +32,7 @@ fn greedy_continuations_equal_transformers() {
     assert!(gguf.is_file(), "{} is missing: run scripts/fetch-smollm2.sh", gguf.display());
     let tmp = tempfile::tempdir().expect("tempdir");
     let out = tmp.path().join("smollm2-f32.thin");
-    convert(&gguf, &out, &ConvertOptions { profile: Profile::F32, progress: false, archs: thin_generated::KNOWN_ARCHS }).expect("convert");
+    convert(&gguf, &out, &ConvertOptions { profile: Profile::shipped("f32").expect("shipped"), allow_requantize: false, progress: false, archs: thin_generated::KNOWN_ARCHS }).expect("convert");
     let archive = Archive::open(&out).expect("open");
     use thin_generated::smollm2_135m as m;
     assert_eq!(archive.manifest().shape_fingerprint, m::SHAPE_FINGERPRINT);

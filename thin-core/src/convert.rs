@@ -11,13 +11,15 @@ use rayon::prelude::*;
 
 use crate::arch::{ArchConfig, Family};
 use crate::codec::{self, CodecError};
-use crate::dtype::{DType, SourceDType};
+use crate::dtype::SourceDType;
 use crate::format::{ArchiveWriter, FormatError};
 use crate::gguf::{GgufError, GgufFile};
 use crate::manifest::{BackendHints, Manifest, SourceInfo, TensorEntry, Validation, MANIFEST_FORMAT};
 use crate::engine::KnownArch;
 use crate::names::{NameError, NameMatch, NameTable};
+use crate::codecs;
 use crate::quant::{plan_quantization, PlanInput, Profile, QuantMethod, QuantizationDescriptor};
+use crate::weight_format::WeightLayout;
 use crate::role::Role;
 use crate::safetensors_dir::{HfDir, SafetensorsError};
 use crate::source::{SourceKind, SourceModel, SourceTensor};
@@ -32,6 +34,8 @@ const CHUNK_ELEMS: u64 = 1 << 16;
 #[derive(Debug, Clone)]
 pub struct ConvertOptions {
     pub profile: Profile,
+    /// Let a profile quantize tensors the source stores as quantized blocks (llama-quantize's flag).
+    pub allow_requantize: bool,
     pub progress: bool,
     /// Every description codegen knows (`thin_generated::KNOWN_ARCHS`): the source's tensor names
     /// are resolved with the `[tensors]` table of its family's descriptions.
@@ -82,8 +86,8 @@ pub enum ConvertError {
     MixedExperts { canonical: String, first: String, other: String },
     #[error("tensor `{tensor}`: {what}")]
     Transform { tensor: String, what: String },
-    #[error("{canonical}: storage method {method:?} has no encoder yet")]
-    UnsupportedMethod { canonical: String, method: QuantMethod },
+    #[error(transparent)]
+    Quant(#[from] crate::quant::QuantError),
 }
 
 /// A constant transform applied on f32 values after decode.
@@ -114,14 +118,16 @@ struct Job<'s, 'a> {
 
 /// Inverse of llama.cpp's `permute`: `w.reshape(n_head, 2, rows/n_head/2, cols).swapaxes(1, 2)`.
 /// GGUF row `h*hd + 2j + i` holds HF row `h*hd + i*hd/2 + j`.
-pub fn unpermute_qk_rows(w: &[f32], rows: usize, cols: usize, n_head: usize) -> Result<Vec<f32>, String> {
+/// `cols` is the row's length in `T`s: f32 values, or the bytes of a row of GGUF blocks (moving
+/// whole rows of blocks is exact).
+pub fn unpermute_qk_rows<T: Copy + Default + Send + Sync>(w: &[T], rows: usize, cols: usize, n_head: usize) -> Result<Vec<T>, String> {
     if n_head == 0 || rows % (2 * n_head) != 0 || w.len() != rows * cols {
         return Err(format!("cannot unpermute {rows}x{cols} rows over {n_head} heads"));
     }
     let hd = rows / n_head;
     let half = hd / 2;
-    let mut out = vec![0f32; w.len()];
-    out.par_chunks_mut(cols).enumerate().for_each(|(hf_row, dst)| {
+    let mut out = vec![T::default(); w.len()];
+    out.par_chunks_mut(cols.max(1)).enumerate().for_each(|(hf_row, dst)| {
         let (h, r) = (hf_row / hd, hf_row % hd);
         let (i, j) = (r / half, r % half);
         let src = h * hd + 2 * j + i;
@@ -332,13 +338,47 @@ fn encode_parallel(src: &[f32], f: fn(&[f32], &mut Vec<u8>)) -> Vec<u8> {
     parts.concat()
 }
 
-/// The stored bytes of one job, and whether they are the source bytes unchanged.
-fn produce(job: &Job<'_, '_>, method: QuantMethod) -> Result<(Vec<u8>, bool), ConvertError> {
-    let storage = method.storage_dtype();
-    let same_encoding =
-        matches!((job.source_dtype, storage), (SourceDType::Bf16, DType::Bf16) | (SourceDType::F32, DType::F32));
-    if same_encoding && job.transform == Transform::None {
-        return Ok((job.parts.iter().flat_map(|p| p.bytes.iter().copied()).collect(), true));
+/// Quantizes `values` (`[rows, cols]`) row by row in parallel: `f(rows_of_x, rows_of_out)` over
+/// chunks of whole rows, each row taking `out_per_row` bytes of `out`.
+fn per_rows<T: Copy + Default + Send>(
+    values: &[f32],
+    cols: usize,
+    out_per_row: usize,
+    f: impl Fn(&[f32], &mut [T]) -> Result<(), CodecError> + Sync,
+) -> Result<Vec<T>, CodecError> {
+    let rows = if cols == 0 { 0 } else { values.len() / cols };
+    let mut out = vec![T::default(); rows * out_per_row];
+    let chunk_rows = (CHUNK_ELEMS as usize / cols.max(1)).max(1);
+    if rows > 0 {
+        values
+            .par_chunks(chunk_rows * cols)
+            .zip(out.par_chunks_mut(chunk_rows * out_per_row))
+            .try_for_each(|(x, o)| f(x, o))?;
+    }
+    Ok(out)
+}
+
+/// The stored bytes of one job in `method`'s layout, and whether they are the source's bytes
+/// unchanged (rows of blocks moved by the Q/K unpermute count as unchanged: no value is).
+fn produce(job: &Job<'_, '_>, method: QuantMethod) -> Result<(Vec<u8>, bool, WeightLayout), ConvertError> {
+    let layout = WeightLayout::of(method.storage_dtype(), &job.shape, method.postscale())
+        .map_err(|e| ConvertError::Transform { tensor: job.canonical.clone(), what: e.to_string() })?;
+    let same_encoding = matches!(
+        (job.source_dtype, method),
+        (SourceDType::Bf16, QuantMethod::Bf16) | (SourceDType::F32, QuantMethod::F32) | (SourceDType::Q8_0, QuantMethod::Q8_0) | (SourceDType::Q4_1, QuantMethod::Q4_1)
+    );
+    if same_encoding {
+        let raw: Vec<u8> = job.parts.iter().flat_map(|p| p.bytes.iter().copied()).collect();
+        match job.transform {
+            Transform::None => return Ok((raw, true, layout)),
+            Transform::UnpermuteRows { n_head } => {
+                let row_bytes = (layout.value_bytes / layout.rows.max(1)) as usize;
+                let rows = unpermute_qk_rows(&raw, layout.rows as usize, row_bytes, n_head as usize)
+                    .map_err(|what| ConvertError::Transform { tensor: job.source_name.clone(), what })?;
+                return Ok((rows, true, layout));
+            }
+            Transform::AddOne => {}
+        }
     }
     let part_elems = job.parts.first().map_or(0, |p| p.shape.iter().product::<u64>()) as usize;
     let mut values = vec![0f32; part_elems * job.parts.len()];
@@ -362,14 +402,63 @@ fn produce(job: &Job<'_, '_>, method: QuantMethod) -> Result<(Vec<u8>, bool), Co
                 .map_err(|what| ConvertError::Transform { tensor: job.source_name.clone(), what })?;
         }
     }
+    let codec_err = |source| ConvertError::Codec { tensor: job.canonical.clone(), dtype: method.name(), source };
+    let cols = layout.cols as usize;
     let bytes = match method {
         QuantMethod::F32 => encode_parallel(&values, codec::f32_to_le_bytes),
         QuantMethod::Bf16 => encode_parallel(&values, codec::f32_to_bf16_bytes),
-        QuantMethod::Fp8RowScale | QuantMethod::Mxfp4 => {
-            return Err(ConvertError::UnsupportedMethod { canonical: job.canonical.clone(), method })
+        QuantMethod::Q8_0 => per_rows(&values, cols, cols / 32 * codecs::q8_0::BLOCK_BYTES, |x, o| {
+            x.chunks_exact(cols).zip(o.chunks_exact_mut(cols / 32 * codecs::q8_0::BLOCK_BYTES)).try_for_each(|(x, o)| codecs::q8_0::quantize_row(x, o))
+        })
+        .map_err(codec_err)?,
+        QuantMethod::Q4_1 => per_rows(&values, cols, cols / 32 * codecs::q4_1::BLOCK_BYTES, |x, o| {
+            x.chunks_exact(cols).zip(o.chunks_exact_mut(cols / 32 * codecs::q4_1::BLOCK_BYTES)).try_for_each(|(x, o)| codecs::q4_1::quantize_row(x, o))
+        })
+        .map_err(codec_err)?,
+        QuantMethod::Fp8RowScale => {
+            // Codes and the row scale side by side per row (`cols + 4` bytes), split after.
+            let packed = per_rows(&values, cols, cols + 4, |x, o| {
+                x.chunks_exact(cols).zip(o.chunks_exact_mut(cols + 4)).try_for_each(|(x, o)| {
+                    let (v, s) = o.split_at_mut(cols);
+                    s.copy_from_slice(&codecs::fp8::quantize_row(x, v)?.to_le_bytes());
+                    Ok(())
+                })
+            })
+            .map_err(codec_err)?;
+            let (codes, scales): (Vec<&[u8]>, Vec<&[u8]>) = packed.chunks_exact(cols + 4).map(|r| r.split_at(cols)).unzip();
+            layout.assemble(&codes.concat(), &[&scales.concat()])
+        }
+        QuantMethod::Mxfp4 | QuantMethod::Mxfp4RowScale => {
+            // Per row: cols/2 code bytes, cols/32 exponents, 2 bytes of postscale.
+            let (vb, sb) = (cols / 2, cols / 32);
+            let post = method.postscale();
+            let packed = per_rows(&values, cols, vb + sb + 2, |x, o| {
+                x.chunks_exact(cols).zip(o.chunks_exact_mut(vb + sb + 2)).try_for_each(|(x, o)| {
+                    let (v, rest) = o.split_at_mut(vb);
+                    let (s, p) = rest.split_at_mut(sb);
+                    if post {
+                        let mut ps = [half::bf16::ONE];
+                        codecs::mxfp4::quantize_with_postscale(x, cols, v, s, &mut ps)?;
+                        p.copy_from_slice(&ps[0].to_le_bytes());
+                    } else {
+                        codecs::mxfp4::quantize(x, cols, v, s)?;
+                    }
+                    Ok(())
+                })
+            })
+            .map_err(codec_err)?;
+            let rows = packed.chunks_exact(vb + sb + 2);
+            let codes: Vec<u8> = rows.clone().flat_map(|r| r[..vb].iter().copied()).collect();
+            let exps: Vec<u8> = rows.clone().flat_map(|r| r[vb..vb + sb].iter().copied()).collect();
+            let posts: Vec<u8> = rows.flat_map(|r| r[vb + sb..].iter().copied()).collect();
+            if post {
+                layout.assemble(&codes, &[&exps, &posts])
+            } else {
+                layout.assemble(&codes, &[&exps])
+            }
         }
     };
-    Ok((bytes, false))
+    Ok((bytes, false, layout))
 }
 
 enum Opened {
@@ -438,9 +527,16 @@ pub fn convert_model(
     let jobs = build_jobs(model, &names)?;
     let inputs: Vec<PlanInput<'_>> = jobs
         .iter()
-        .map(|j| PlanInput { name: &j.canonical, role: j.role, layer: j.layer, source_dtype: j.source_dtype })
+        .map(|j| PlanInput {
+            name: &j.canonical,
+            role: j.role,
+            layer: j.layer,
+            source_dtype: j.source_dtype,
+            cols: j.shape.last().copied().unwrap_or(1),
+        })
         .collect();
-    let plan = plan_quantization(opts.profile, &inputs);
+    let plan = plan_quantization(&opts.profile, model.arch.dims.num_layers, &inputs, opts.allow_requantize)?;
+    let values: Vec<u64> = jobs.iter().map(|j| j.shape.iter().product()).collect();
     let total_src: u64 = jobs.iter().flat_map(|j| &j.parts).map(|p| p.bytes.len() as u64).sum();
     let bar = if opts.progress {
         let b = indicatif::ProgressBar::new(total_src);
@@ -458,14 +554,16 @@ pub fn convert_model(
     let mut bytes_written = 0u64;
     for (job, planned) in jobs.iter().zip(&plan) {
         bar.set_message(job.canonical.clone());
-        let (bytes, exact) = produce(job, planned.method)?;
+        let (bytes, exact, layout) = produce(job, planned.method)?;
         bytes_written += bytes.len() as u64;
         let entry = TensorEntry {
             name: job.canonical.clone(),
             role: job.role,
             layer: job.layer,
             shape: job.shape.clone(),
-            dtype: planned.method.storage_dtype(),
+            dtype: layout.dtype,
+            block_size: layout.block_size,
+            scales: layout.scales,
             first_page: 0,
             page_count: 0,
             byte_len: 0,
@@ -486,7 +584,7 @@ pub fn convert_model(
         shape_fingerprint: model.arch.shape_fingerprint(),
         tokenizer: model.tokenizer.clone(),
         tensors: Vec::new(),
-        quantization: QuantizationDescriptor::for_profile(opts.profile, plan, model.source_config.clone()),
+        quantization: QuantizationDescriptor::from_plan(&opts.profile.name, plan, &values, model.source_config.clone()),
         backend_hints: BackendHints {
             alignment: PAGE_ALIGNMENT,
             max_page_size: max_page_size.saturating_mul(4),
