@@ -41,7 +41,7 @@ pub fn decode_to_f32(dtype: SourceDType, bytes: &[u8], out: &mut [f32]) -> Resul
     let name = dtype.name();
     let n = out.len() as u64;
     let (per, bpb) = dtype.block();
-    if n % per != 0 {
+    if !n.is_multiple_of(per) {
         return Err(CodecError::PartialBlock {
             dtype: name,
             count: n,

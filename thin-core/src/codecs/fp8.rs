@@ -12,7 +12,7 @@
 //! non-finite input is [`CodecError::NonFiniteInput`]. This is `ml_dtypes.float8_e4m3fn` after a
 //! clip to ±448 (ml_dtypes itself overflows to NaN instead of saturating).
 
-use super::{check_len, dispatch_avx2, elems, reduce, CodecError, Sizes, BLOCK};
+use super::{check_len, elems, reduce, CodecError, Sizes, BLOCK};
 
 const NAME: &str = "f8_e4m3";
 
@@ -192,7 +192,65 @@ fn rows_body(values: &[u8], scales: &[f32], x: &[f32], out: &mut [f32]) {
     }
 }
 
-dispatch_avx2!(rows_dispatch, fn(values: &[u8], scales: &[f32], x: &[f32], out: &mut [f32]) -> (), rows_body);
+fn rows_dispatch(values: &[u8], scales: &[f32], x: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2() {
+        // SAFETY: the CPU has AVX2 and F16C (checked just above).
+        return unsafe { avx2::rows(values, scales, x, out) };
+    }
+    rows_body(values, scales, x, out)
+}
+
+/// AVX2 + F16C: 16 codes become f16 bit patterns (e4m3's exponent and mantissa under f16's,
+/// so the f16 is the value / 256, subnormals included), F16C widens them, one multiply by 256
+/// restores the value exactly. NaN codes are collected in a mask and make the row NaN.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::super::{reduce, store_lanes, BLOCK};
+    use super::decode_e4m3;
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx2,f16c")]
+    pub fn rows(values: &[u8], scales: &[f32], x: &[f32], out: &mut [f32]) {
+        let cols = x.len();
+        let body = cols / BLOCK * BLOCK;
+        let (m7f, m80, k256) = (_mm256_set1_epi16(0x7F), _mm256_set1_epi16(0x80), _mm256_set1_ps(256.0));
+        for (r, (o, &s)) in out.iter_mut().zip(scales).enumerate() {
+            let row = &values[r * cols..(r + 1) * cols];
+            let mut a = [_mm256_setzero_ps(); 4];
+            let mut nan = _mm256_setzero_si256();
+            let mut i = 0;
+            while i < body {
+                for h in 0..2 {
+                    let at = i + 16 * h;
+                    // SAFETY: at + 16 <= body <= row.len() == x.len(); unaligned loads.
+                    let (v, x0, x1) = unsafe {
+                        (
+                            _mm_loadu_si128(row.as_ptr().add(at) as *const __m128i),
+                            _mm256_loadu_ps(x.as_ptr().add(at)),
+                            _mm256_loadu_ps(x.as_ptr().add(at + 8)),
+                        )
+                    };
+                    let w = _mm256_cvtepu8_epi16(v);
+                    let mag = _mm256_and_si256(w, m7f);
+                    nan = _mm256_or_si256(nan, _mm256_cmpeq_epi16(mag, m7f));
+                    let f16 = _mm256_or_si256(_mm256_slli_epi16::<7>(mag), _mm256_slli_epi16::<8>(_mm256_and_si256(w, m80)));
+                    let lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(f16)), k256);
+                    let hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256::<1>(f16)), k256);
+                    a[2 * h] = _mm256_add_ps(a[2 * h], _mm256_mul_ps(lo, x0));
+                    a[2 * h + 1] = _mm256_add_ps(a[2 * h + 1], _mm256_mul_ps(hi, x1));
+                }
+                i += BLOCK;
+            }
+            let mut tail = 0.0f32;
+            for (&w, &xi) in row[body..].iter().zip(&x[body..]) {
+                tail += decode_e4m3(w) * xi;
+            }
+            let dot = if _mm256_movemask_epi8(nan) != 0 { f32::NAN } else { reduce(store_lanes::<BLOCK>(&a)) + tail };
+            *o = dot * s;
+        }
+    }
+}
 
 /// One row's dot: `scale * sum_i decode(values[i]) * x[i]`.
 pub fn dot_row(values: &[u8], scale: f32, x: &[f32]) -> Result<f32, CodecError> {

@@ -18,7 +18,10 @@
 //! right, the block's lane sums are multiplied by the block scale and added to the row's lanes;
 //! after the last block the lanes are reduced pairwise (halves added: 16 + 16, 8 + 8, 4 + 4, ...),
 //! the FP8 tail (`cols % 32` elements, added in order) is added, then the row scale/postscale
-//! multiplies once. Products are a multiply then an add (no fused multiply-add).
+//! multiplies once. Products are a multiply then an add (no fused multiply-add). The AVX2 kernels
+//! (explicit intrinsics, picked at run time) keep this order, so they give the portable loops'
+//! bits; MXFP4's multiplies doubled e2m1 values by half the block scale, which is the same product
+//! unless a product is subnormal.
 //!
 //! Bad data is found without a cost in the hot loop: a NaN code or scale makes the row's dot NaN
 //! (or infinite), and only then is the row scanned to name the culprit as a [`CodecError`]. A
@@ -136,28 +139,24 @@ pub(crate) fn reduce<const N: usize>(mut acc: [f32; N]) -> f32 {
     acc[0]
 }
 
-/// Runs `body` compiled for AVX2 when the CPU has it, else the portable build of the same code.
-/// The bodies are written lane by lane (fixed-size arrays), which LLVM vectorizes without
-/// reordering a single floating-point operation, so both builds give the same bits.
-macro_rules! dispatch_avx2 {
-    ($name:ident, fn($($arg:ident: $ty:ty),*) -> $ret:ty, $body:path) => {
-        fn $name($($arg: $ty),*) -> $ret {
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx2")]
-                fn avx2($($arg: $ty),*) -> $ret {
-                    $body($($arg),*)
-                }
-                if std::arch::is_x86_feature_detected!("avx2") {
-                    // SAFETY: the CPU has AVX2 (checked just above).
-                    return unsafe { avx2($($arg),*) };
-                }
-            }
-            $body($($arg),*)
-        }
-    };
+/// Whether the explicit AVX2 kernels can run (they use F16C too, which every AVX2 CPU has).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub(crate) fn has_avx2() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c")
 }
-pub(crate) use dispatch_avx2;
+
+/// The lanes of eight-wide accumulators as an array, for [`reduce`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+pub(crate) fn store_lanes<const N: usize>(regs: &[std::arch::x86_64::__m256]) -> [f32; N] {
+    let mut acc = [0.0f32; N];
+    for (chunk, &r) in acc.chunks_exact_mut(8).zip(regs) {
+        // SAFETY: `chunk` holds 8 f32, the unaligned store writes 8.
+        unsafe { std::arch::x86_64::_mm256_storeu_ps(chunk.as_mut_ptr(), r) };
+    }
+    acc
+}
 
 /// Reads a little-endian f16 at `b[at..at + 2]` as f32.
 #[inline(always)]

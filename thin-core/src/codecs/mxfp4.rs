@@ -24,11 +24,11 @@
 //!
 //! Postscale ([`quantize_with_postscale`]): after MX quantization of the row to `q`, the `p` that
 //! minimises `|w - p q|^2`, `p = <w, q> / <q, q>` (f64 sums in element order, rounded to f32, then
-//! to bf16 ties to even); `p = 1` when `<q, q> = 0`, `<w, q> <= 0` or the bf16 is not finite and
-//! > 0. It recovers the row's mean shrinkage from the power-of-two scales; [`quantize`] writes no
+//! to bf16 ties to even); `p = 1` when `<q, q> = 0`, when `<w, q> <= 0` or when the bf16 is not
+//! finite and positive. It recovers the row's mean shrinkage from the power-of-two scales; [`quantize`] writes no
 //! postscale (callers that want one stored without fitting store `1.0`).
 
-use super::{check_len, dispatch_avx2, elems, reduce, CodecError, Sizes, BLOCK, LANES};
+use super::{check_len, elems, reduce, CodecError, Sizes, BLOCK, LANES};
 use half::bf16;
 
 const NAME: &str = "mxfp4";
@@ -101,7 +101,7 @@ pub fn shared_scale(amax: f32) -> u8 {
 /// Bytes of a `[rows, cols]` MXFP4 matrix: `rows * cols / 2` of values and `rows * cols / 32` of
 /// scales (the optional postscale is `2 * rows` more). `cols` must be a multiple of 32.
 pub fn sizes(rows: u64, cols: u64) -> Result<Sizes, CodecError> {
-    if cols % BLOCK as u64 != 0 {
+    if !cols.is_multiple_of(BLOCK as u64) {
         return Err(CodecError::PartialBlock {
             dtype: NAME,
             count: cols,
@@ -116,7 +116,7 @@ pub fn sizes(rows: u64, cols: u64) -> Result<Sizes, CodecError> {
 }
 
 fn check_cols(cols: usize) -> Result<(), CodecError> {
-    if cols % BLOCK == 0 {
+    if cols.is_multiple_of(BLOCK) {
         Ok(())
     } else {
         Err(CodecError::PartialBlock {
@@ -316,7 +316,56 @@ fn rows_body(values: &[u8], scales: &[u8], x: &[f32], out: &mut [f32]) {
     }
 }
 
-dispatch_avx2!(rows_dispatch, fn(values: &[u8], scales: &[u8], x: &[f32], out: &mut [f32]) -> (), rows_body);
+fn rows_dispatch(values: &[u8], scales: &[u8], x: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2() {
+        // SAFETY: the CPU has AVX2 and F16C (checked just above).
+        return unsafe { avx2::rows(values, scales, x, out) };
+    }
+    rows_body(values, scales, x, out)
+}
+
+/// AVX2: as ggml's CPU kernel, a byte shuffle maps each nibble to twice its e2m1 value as an i8
+/// (all integers), widened to f32; the block's lane sums are then multiplied by half its scale,
+/// which is the portable product `t * scale` (doubling is exact).
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::super::{reduce, store_lanes, BLOCK, LANES};
+    use super::decode_e8m0;
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx2")]
+    pub fn rows(values: &[u8], scales: &[u8], x: &[f32], out: &mut [f32]) {
+        let cols = x.len();
+        let nb = cols / BLOCK;
+        let doubled = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+        let m0f = _mm_set1_epi8(0x0F);
+        for (r, o) in out.iter_mut().enumerate() {
+            let v = &values[r * cols / 2..(r + 1) * cols / 2];
+            let s = &scales[r * nb..(r + 1) * nb];
+            let mut acc = _mm256_setzero_ps();
+            for (b, &e) in s.iter().enumerate() {
+                // SAFETY: 16 * b + 16 <= v.len(); unaligned load.
+                let q = unsafe { _mm_loadu_si128(v.as_ptr().add(16 * b) as *const __m128i) };
+                let lo = _mm_and_si128(q, m0f);
+                let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), m0f);
+                // Element 2i is the low nibble of byte i: interleaving puts elements in order.
+                let e0 = _mm_shuffle_epi8(doubled, _mm_unpacklo_epi8(lo, hi));
+                let e1 = _mm_shuffle_epi8(doubled, _mm_unpackhi_epi8(lo, hi));
+                let codes = [e0, _mm_srli_si128::<8>(e0), e1, _mm_srli_si128::<8>(e1)];
+                let mut t = _mm256_setzero_ps();
+                for (k, &c) in codes.iter().enumerate() {
+                    let w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
+                    // SAFETY: 32 * b + 8 * k + 8 <= cols == x.len(); unaligned load.
+                    let xk = unsafe { _mm256_loadu_ps(x.as_ptr().add(BLOCK * b + LANES * k)) };
+                    t = _mm256_add_ps(t, _mm256_mul_ps(w, xk));
+                }
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(t, _mm256_set1_ps(decode_e8m0(e) * 0.5)));
+            }
+            *o = reduce(store_lanes::<LANES>(&[acc]));
+        }
+    }
+}
 
 /// One row's dot: `postscale * sum_b scale_b * sum_{i in b} e2m1_i * x_i` (`x.len()` a multiple of
 /// 32).
@@ -355,7 +404,7 @@ pub fn matvec_rows(values: &[u8], scales: &[u8], postscale: Option<&[bf16]>, x: 
 /// `j + 16` high nibble) into this module's split layout; `values.len() * 2 == 32 * blocks`.
 pub fn from_ggml_blocks(blocks: &[u8], values: &mut [u8], scales: &mut [u8]) -> Result<(), CodecError> {
     const GGML_BLOCK_BYTES: usize = 1 + BLOCK / 2;
-    if blocks.len() % GGML_BLOCK_BYTES != 0 {
+    if !blocks.len().is_multiple_of(GGML_BLOCK_BYTES) {
         return Err(CodecError::Length {
             dtype: NAME,
             what: "bytes",
@@ -446,7 +495,7 @@ mod tests {
         quantize_row(&x, &mut v, &mut s).unwrap();
         assert_eq!(s, [127]);
         // element 2i low nibble, 2i+1 high nibble
-        assert_eq!(&v[..4], &[0x7 | (0x9 << 4), 0x2 | (0x2 << 4), 0xE | (0x5 << 4), 0x0 | (0xF << 4)]);
+        assert_eq!(&v[..4], &[0x7 | (0x9 << 4), 0x2 | (0x2 << 4), 0xE | (0x5 << 4), 0xF << 4]);
         assert_eq!(&v[4..], &[0; 12]);
         // amax 40 -> floor(log2 40) = 5, shared exp 3 (scale 8): 40/8 = 5 ties to 4; 47 -> 5.875 -> 6; 52 -> 6.5 saturates.
         let mut x = [0.0f32; 32];
