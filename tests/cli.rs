@@ -434,3 +434,71 @@ fn an_interrupted_convert_leaves_nothing_behind() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("left by a convert that was killed"));
     assert_eq!(ls(), ["smol.thin"]);
 }
+
+fn smollm2_gguf() -> PathBuf {
+    let p = match std::env::var_os("THIN_SMOLLM2_GGUF") {
+        Some(p) => PathBuf::from(p),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    };
+    assert!(p.is_file(), "{} is missing: run scripts/fetch-smollm2.sh", p.display());
+    p
+}
+
+/// `--profile native` keeps the real SmolLM2's Q4_1 matrices and Q8_0 embedding byte for byte (Q
+/// and K as whole rows of blocks moved back to Hugging Face's order); inspect shows the plan and
+/// the bytes a decode token reads.
+#[test]
+fn native_profile_keeps_the_gguf_blocks() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let out = tmp.path().join("native.thin");
+    convert_dir(&smollm2_gguf(), &out, "native");
+    let j = inspect_json(&out);
+    let tensors = j["tensors"].as_array().expect("tensors");
+    let t = |name: &str| tensors.iter().find(|t| t["name"] == name).unwrap_or_else(|| panic!("{name}"));
+    assert_eq!((t("blk.3.ffn_up")["dtype"].as_str(), t("blk.3.ffn_up")["exact_storage_preserved"].as_bool()), (Some("q4_1"), Some(true)));
+    assert_eq!((t("blk.0.attn_q")["dtype"].as_str(), t("blk.0.attn_q")["exact_storage_preserved"].as_bool()), (Some("q4_1"), Some(true)));
+    assert_eq!(t("token_embd")["dtype"], "q8_0");
+    assert_eq!(t("blk.0.attn_norm")["dtype"], "f32");
+    // 1536 rows of 576 values: 18 Q4_1 blocks of 20 bytes each.
+    assert_eq!(t("blk.3.ffn_up")["bytes"], 1536 * 576 / 32 * 20);
+    let plan = j["quantization"]["plan"].as_array().expect("plan");
+    let row = plan.iter().find(|r| r["role"] == "ffn_up").expect("ffn_up row");
+    assert_eq!((row["layers"].as_str(), row["method"].as_str(), row["tensors"].as_u64()), (Some("0-29"), Some("q4_1"), Some(30)));
+    // Every matrix once, the tied embedding read whole as the LM head, plus one embedding row.
+    let emb = t("token_embd")["bytes"].as_u64().expect("bytes");
+    let all: u64 = tensors.iter().map(|t| t["bytes"].as_u64().expect("bytes")).sum();
+    assert_eq!(j["quantization"]["bytes_per_token"].as_u64(), Some(all + emb / 49152));
+    let text = thin(&["inspect", out.to_str().expect("utf8")]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("weight bytes read per decode token"), "{text}");
+    assert!(text.lines().any(|l| l.contains("ffn_up") && l.contains("0-29") && l.contains("q4_1")), "{text}");
+}
+
+/// Quantizing the GGUF's Q4_1 blocks again needs --allow-requantize; the refusal names the tensor,
+/// the rule and the flag, and writes nothing. A profile can be a user's file.
+#[test]
+fn requantizing_needs_the_flag_and_a_profile_can_be_a_file() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let out = tmp.path().join("fp8.thin");
+    let gguf = smollm2_gguf();
+    let o = thin(&["convert", gguf.to_str().expect("utf8"), "-o", out.to_str().expect("utf8"), "--profile", "fp8", "--quiet"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("blk.0.ffn_gate") && err.contains("fp8 rule 1") && err.contains("--allow-requantize"), "{err}");
+    assert!(!out.exists());
+    // A user's profile: only layer 2's down projection in q8_0, from the tiny HF fixture.
+    let prof = tmp.path().join("one-down.toml");
+    std::fs::write(&prof, "description = \"one layer's down in q8_0\"\n[[rule]]\nroles = [\"ffn_down\"]\nlayers = \"-1..\"\nmethod = \"q8_0\"\n[[rule]]\nroles = [\"*\"]\nmethod = \"bf16\"\n").expect("write");
+    let out = tmp.path().join("mine.thin");
+    convert_dir(&fixture_dir("llama-tiny"), &out, prof.to_str().expect("utf8"));
+    let j = inspect_json(&out);
+    assert_eq!(j["quantization"]["method"], "one-down");
+    let dtypes: Vec<(String, String)> = j["tensors"].as_array().expect("tensors").iter().map(|t| (t["name"].as_str().unwrap().to_string(), t["dtype"].as_str().unwrap().to_string())).collect();
+    assert!(dtypes.contains(&("blk.1.ffn_down".into(), "q8_0".into())), "{dtypes:?}");
+    assert!(dtypes.contains(&("blk.0.ffn_down".into(), "bf16".into())), "{dtypes:?}");
+    // A broken profile file is a usage error naming the problem.
+    std::fs::write(&prof, "description = \"x\"\n[[rule]]\nroles = [\"*\"]\nmethod = \"int3\"\n").expect("write");
+    let o = thin(&["convert", fixture_dir("llama-tiny").to_str().expect("utf8"), "-o", out.to_str().expect("utf8"), "--profile", prof.to_str().expect("utf8")]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("unknown method `int3`"));
+}
