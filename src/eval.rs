@@ -60,6 +60,7 @@ pub struct EvalArgs {
     /// One JSON object on stdout instead of llama.cpp's layout.
     #[arg(long)]
     pub json: bool,
+    /// Where both engines run (the CPU by default: its engines run every archive).
     #[arg(long, value_enum, default_value = "cpu")]
     pub backend: thin::Backend,
 }
