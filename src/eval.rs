@@ -504,7 +504,7 @@ impl Scores {
     }
 
     /// Close a window: record the running values llama-perplexity prints after each chunk.
-    pub fn end_window(&mut self) {
+    pub fn end_window(&mut self) -> &Chunk {
         let ppl = self.ppl().value;
         let chunk = if self.with_base {
             let k = self.kld_running();
@@ -513,6 +513,7 @@ impl Scores {
             Chunk { window: self.chunks.len() + 1, ppl, ppl_uncertainty: None, ln_ppl_ratio: None, kld: None, rms_delta_p: None, same_top_p: None }
         };
         self.chunks.push(chunk);
+        &self.chunks[self.chunks.len() - 1]
     }
 
     /// llama-perplexity's final estimate: exp(mean NLL) ± PPL · the standard error of the NLL mean.
@@ -876,9 +877,14 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
             bar.inc((fed * engines) as u64);
         }
         bar.inc(engines as u64); // the window's last token is never fed: nothing predicts past it
-        scores.end_window();
+        let chunk = scores.end_window();
         if !a.json {
-            print_chunk(scores.chunks.last().expect("a window just ended"), w == 0);
+            print_chunk(chunk, w == 0);
+        }
+        if bar.is_hidden() {
+            // No terminal to draw the bar on (a log, CI): one line per window instead.
+            let s = start.elapsed().as_secs_f64();
+            eprintln!("eval: window {}/{} done, {s:.1} s, {:.1} tok/s", w + 1, wins.len(), ((w + 1) * ctx * engines) as f64 / s.max(1e-9));
         }
     }
     bar.finish_and_clear();
