@@ -1,6 +1,7 @@
 //! `thin`: convert checkpoints into `.thin` archives, inspect, verify and run them.
 
 mod bench;
+mod eval;
 mod inspect;
 mod run;
 
@@ -106,6 +107,9 @@ enum Command {
     },
     /// Generate text from an archive with the engine compiled in for its architecture.
     Run(run::RunArgs),
+    /// Perplexity over a text in windows, and KL divergence from a reference archive or saved
+    /// logits, as llama.cpp's llama-perplexity (--kl-divergence) scores them.
+    Eval(eval::EvalArgs),
 }
 
 fn main() -> ExitCode {
@@ -121,6 +125,7 @@ fn main() -> ExitCode {
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Run(args) => run::run(args),
+        Command::Eval(args) => eval::eval(args),
         Command::Convert { src, out, profile, allow_requantize, quiet } => {
             // An interrupted convert removes its temporary file (the final name is only ever a
             // whole archive: it is renamed into place at the end).
