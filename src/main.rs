@@ -3,6 +3,7 @@
 mod bench;
 mod inspect;
 mod run;
+mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -114,6 +115,9 @@ enum Command {
     },
     /// Generate text from an archive with the engine compiled in for its architecture.
     Run(run::RunArgs),
+    /// An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models,
+    /// /health) over one engine.
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -129,6 +133,7 @@ fn main() -> ExitCode {
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Run(args) => run::run(args),
+        Command::Serve(args) => serve::serve(args),
         Command::Convert { src, out, profile, quiet } => {
             // An interrupted convert removes its temporary file (the final name is only ever a
             // whole archive: it is renamed into place at the end).
