@@ -1,6 +1,7 @@
 //! `thin`: convert checkpoints into `.thin` archives, inspect, verify and run them.
 
 mod bench;
+mod chat;
 mod inspect;
 mod run;
 mod serve;
@@ -118,6 +119,8 @@ enum Command {
     /// An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models,
     /// /health) over one engine.
     Serve(serve::ServeArgs),
+    /// An interactive chat in the terminal (the archive's chat template over the conversation).
+    Chat(chat::ChatArgs),
 }
 
 fn main() -> ExitCode {
@@ -134,6 +137,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Run(args) => run::run(args),
         Command::Serve(args) => serve::serve(args),
+        Command::Chat(args) => chat::chat(args),
         Command::Convert { src, out, profile, quiet } => {
             // An interrupted convert removes its temporary file (the final name is only ever a
             // whole archive: it is renamed into place at the end).
