@@ -168,6 +168,7 @@ pub struct Session {
     engine: Box<dyn LoadedEngine>,
     backend: &'static str,
     arch: &'static str,
+    ctx: usize,
 }
 
 /// Open `path` with the engine compiled in for its architecture, on `opts.backend`.
@@ -192,7 +193,7 @@ pub fn open(path: &Path, opts: &Options) -> Result<Session, Error> {
         },
         Backend::Auto => (cpu(archive.clone())?, "cpu"),
     };
-    Ok(Session { archive, tokenizer, engine, backend, arch })
+    Ok(Session { archive, tokenizer, engine, backend, arch, ctx })
 }
 
 /// Whether generation goes on after a token.
@@ -318,6 +319,56 @@ pub fn generate(
     Ok(Stats { prompt_tokens: prompt.len(), generated_tokens: generated, decode_steps: steps, prompt_s, gen_s, stop })
 }
 
+/// Generated text with stop strings cut off: text that ends in (or contains) a stop string ends
+/// there, the stop string itself not emitted; while it streams, a tail that could still grow into
+/// a stop string is held back until the next piece decides it (as llama-server and OpenAI do).
+#[derive(Debug, Default)]
+pub struct StopStrings {
+    stops: Vec<String>,
+    /// Decoded text not yet handed out: a prefix of some stop string, at most.
+    held: String,
+}
+
+impl StopStrings {
+    /// Empty strings are ignored (they would match before any text).
+    pub fn new(stops: &[String]) -> StopStrings {
+        StopStrings { stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(), held: String::new() }
+    }
+
+    /// Adds the next decoded piece; returns the text that is safe to emit now and whether a stop
+    /// string was reached (then generation should end: later pieces are not looked at).
+    pub fn push(&mut self, piece: &str) -> (String, bool) {
+        self.held.push_str(piece);
+        let first = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min();
+        if let Some(at) = first {
+            let out = self.held[..at].to_string();
+            self.held.clear();
+            return (out, true);
+        }
+        // Hold back the longest tail of the text that is a proper prefix of some stop string.
+        let hold = self
+            .stops
+            .iter()
+            .map(|s| {
+                (1..s.len().min(self.held.len() + 1))
+                    .rev()
+                    .find(|&n| s.is_char_boundary(n) && self.held.ends_with(&s[..n]))
+                    .unwrap_or(0)
+            })
+            .max()
+            .unwrap_or(0);
+        let emit = self.held.len() - hold;
+        let out = self.held[..emit].to_string();
+        self.held.drain(..emit);
+        (out, false)
+    }
+
+    /// At the end of generation (no stop string came): the text still held back.
+    pub fn finish(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+}
+
 impl Session {
     pub fn archive(&self) -> &Archive {
         &self.archive
@@ -335,6 +386,13 @@ impl Session {
     /// The description whose engine runs the archive (`smollm2-135m`).
     pub fn arch(&self) -> &'static str {
         self.arch
+    }
+
+    /// Positions a prompt and its answer may take together: `Options::ctx` (4096 when not given)
+    /// capped at the model's maximum. The CPU engines hold min(4096, model maximum) positions
+    /// themselves (a larger `ctx` there still ends at the engine's own).
+    pub fn ctx(&self) -> usize {
+        self.ctx
     }
 
     /// The engine itself (benchmarks, teacher-forced logits).
@@ -419,6 +477,45 @@ mod tests {
         })
         .expect("generate");
         (got, stats)
+    }
+
+    /// Pieces through StopStrings: (emitted pieces, whether a stop string ended it, the rest).
+    fn stop_run(stops: &[&str], pieces: &[&str]) -> (Vec<String>, bool, String) {
+        let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+        let mut f = StopStrings::new(&stops);
+        let mut out = Vec::new();
+        for p in pieces {
+            let (text, stop) = f.push(p);
+            out.push(text);
+            if stop {
+                return (out, true, String::new());
+            }
+        }
+        (out, false, f.finish())
+    }
+
+    #[test]
+    fn stop_strings_cut_the_text_and_hold_back_possible_prefixes() {
+        // "</s" could begin "</stop>", so it waits; "</x" cannot, so it goes out with the next piece.
+        let (out, stop, rest) = stop_run(&["</stop>"], &["Hello", " </s", "x", " wor", "</st", "op> more"]);
+        assert_eq!(out, ["Hello", " ", "</sx", " wor", "", ""]);
+        assert!(stop);
+        assert!(rest.is_empty());
+        // The stop string inside one piece: the text before it is emitted, the rest never.
+        let (out, stop, _) = stop_run(&["\n\n", "END"], &["a b", "c\n\nd END"]);
+        assert_eq!((out, stop), (vec!["a b".to_string(), "c".to_string()], true));
+        // The earliest of two stop strings wins.
+        let (out, stop, _) = stop_run(&["b", "a"], &["xab"]);
+        assert_eq!((out, stop), (vec!["x".to_string()], true));
+        // No stop string came: the held tail is handed back at the end, nothing is lost.
+        let (out, stop, rest) = stop_run(&["STOP"], &["one ST", "O"]);
+        assert_eq!((out.concat(), stop, rest.as_str()), ("one ".to_string(), false, "STO"));
+        // Multi-byte characters: prefixes are cut on character boundaries only.
+        let (out, stop, rest) = stop_run(&["é!"], &["café", "?"]);
+        assert_eq!((out, stop, rest.as_str()), (vec!["caf".to_string(), "é?".to_string()], false, ""));
+        // No stop strings (or only empty ones): everything passes through at once.
+        let (out, stop, rest) = stop_run(&[""], &["a", "b"]);
+        assert_eq!((out, stop, rest.as_str()), (vec!["a".to_string(), "b".to_string()], false, ""));
     }
 
     #[test]

@@ -1,9 +1,11 @@
 //! `thin`: convert checkpoints into `.thin` archives, inspect, verify and run them.
 
 mod bench;
+mod chat;
 mod eval;
 mod inspect;
 mod run;
+mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -110,6 +112,11 @@ enum Command {
     /// Perplexity over a text in windows, and KL divergence from a reference archive or saved
     /// logits, as llama.cpp's llama-perplexity (--kl-divergence) scores them.
     Eval(eval::EvalArgs),
+    /// An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models,
+    /// /health) over one engine.
+    Serve(serve::ServeArgs),
+    /// An interactive chat in the terminal (the archive's chat template over the conversation).
+    Chat(chat::ChatArgs),
 }
 
 fn main() -> ExitCode {
@@ -126,6 +133,8 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Run(args) => run::run(args),
         Command::Eval(args) => eval::eval(args),
+        Command::Serve(args) => serve::serve(args),
+        Command::Chat(args) => chat::chat(args),
         Command::Convert { src, out, profile, allow_requantize, quiet } => {
             // An interrupted convert removes its temporary file (the final name is only ever a
             // whole archive: it is renamed into place at the end).
