@@ -777,7 +777,7 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
     if ctx as u64 > m.arch.max_position_embeddings {
         return Err(EvalError::CtxTooLarge { ctx, archive: model_path, max: m.arch.max_position_embeddings }.into());
     }
-    let vocab = m.arch.vocab_size as usize;
+    let vocab = m.arch.dims.vocab_size as usize;
     let fingerprint = m.shape_fingerprint.clone();
     let add_bos = m.tokenizer.add_bos && m.tokenizer.bos_token_id.is_some();
     let bos = m.tokenizer.bos_token_id.filter(|_| add_bos);
@@ -792,15 +792,15 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
             let p = path.display().to_string();
             let session = thin::open(path, &opts(a.backend)).with_context(|| format!("opening the reference {p}"))?;
             let rm = session.archive().manifest();
-            if rm.arch.vocab_size != m.arch.vocab_size {
-                return Err(EvalError::VocabMismatch { reference: p, reference_vocab: rm.arch.vocab_size, model_vocab: m.arch.vocab_size }.into());
+            if rm.arch.dims.vocab_size != m.arch.dims.vocab_size {
+                return Err(EvalError::VocabMismatch { reference: p, reference_vocab: rm.arch.dims.vocab_size, model_vocab: m.arch.dims.vocab_size }.into());
             }
             if rm.shape_fingerprint != fingerprint {
                 return Err(EvalError::ArchMismatch {
                     reference: p,
-                    reference_arch: format!("{:?}, {} layers, hidden {}", rm.arch.family, rm.arch.num_layers, rm.arch.hidden_size),
+                    reference_arch: format!("{:?}, {} layers, hidden {}", rm.arch.dims.family, rm.arch.dims.num_layers, rm.arch.dims.hidden_size),
                     reference_fingerprint: rm.shape_fingerprint.clone(),
-                    model_arch: format!("{:?}, {} layers, hidden {}", m.arch.family, m.arch.num_layers, m.arch.hidden_size),
+                    model_arch: format!("{:?}, {} layers, hidden {}", m.arch.dims.family, m.arch.dims.num_layers, m.arch.dims.hidden_size),
                     model_fingerprint: fingerprint,
                 }
                 .into());
