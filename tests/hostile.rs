@@ -218,7 +218,7 @@ fn gguf_declaring_layers(layers: u32) -> Vec<u8> {
     b.extend_from_slice(&4u64.to_le_bytes());
     b.extend_from_slice(&0u32.to_le_bytes()); // F32
     b.extend_from_slice(&0u64.to_le_bytes());
-    while b.len() % 32 != 0 {
+    while !b.len().is_multiple_of(32) {
         b.push(0);
     }
     b.extend_from_slice(&[0u8; 16]);
