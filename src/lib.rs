@@ -174,7 +174,8 @@ pub struct Session {
 /// Open `path` with the engine compiled in for its architecture, on `opts.backend`.
 pub fn open(path: &Path, opts: &Options) -> Result<Session, Error> {
     let archive = Archive::open(path).map_err(|source| Error::Archive { path: path.display().to_string(), source })?;
-    let tokenizer = Arc::new(TextTokenizer::from_info(&archive.manifest().tokenizer)?);
+    // Archive::open loaded the tokenizer and exercised it and the chat template.
+    let tokenizer = archive.tokenizer().clone();
     let archive = Arc::new(archive);
     let m = archive.manifest();
     let arch = thin_generated::arch_name(&m.shape_fingerprint).unwrap_or("?");

@@ -119,7 +119,36 @@ enum Command {
     Chat(chat::ChatArgs),
 }
 
+/// Exit status of a panic: EX_SOFTWARE (an internal error), never Rust's 101.
+const EXIT_INTERNAL_ERROR: i32 = 70;
+
+/// A panic anywhere in `thin` (any thread) is a bug: say so in one line, remove a half-written
+/// archive, exit 70. Panics inside a guarded call into a library that parses untrusted data
+/// (`thin_core::tokenizer`) stay quiet: they come back as typed errors.
+fn install_panic_hook() {
+    std::panic::set_hook(Box::new(|info| {
+        if thin_core::tokenizer::in_guarded_call() {
+            return;
+        }
+        let at = info.location().map_or_else(String::new, |l| format!(" at {}:{}", l.file(), l.line()));
+        eprintln!("internal error: {}{at} (a bug in thin; please report it)", thin_core::tokenizer::panic_message(info.payload()));
+        for p in thin_core::format::remove_unfinished_temporaries() {
+            eprintln!("removed {}", p.display());
+        }
+        std::process::exit(EXIT_INTERNAL_ERROR);
+    }));
+    // For the test of this hook (tests/hostile.rs): a panic on the main thread or on another one.
+    match std::env::var("THIN_TEST_PANIC").as_deref() {
+        Ok("main") => panic!("THIN_TEST_PANIC=main"),
+        Ok("thread") => {
+            let _ = std::thread::spawn(|| panic!("THIN_TEST_PANIC=thread")).join();
+        }
+        _ => {}
+    }
+}
+
 fn main() -> ExitCode {
+    install_panic_hook();
     match dispatch(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -80,6 +80,8 @@ pub enum ConvertError {
     LayerOutOfRange { tensor: String, layer: u32, num_layers: u64 },
     #[error("missing tensor {canonical} ({family} needs it)")]
     MissingTensor { canonical: String, family: &'static str },
+    #[error("the config declares {declared} {what}, but the source's tensors hold {present}")]
+    DeclaredCount { what: &'static str, declared: u64, present: u64 },
     #[error("{canonical}: experts {missing:?} missing (num_experts {num_experts})")]
     MissingExperts { canonical: String, missing: Vec<u32>, num_experts: u64 },
     #[error("{canonical}: experts mix dtypes/shapes ({first} vs {other})")]
@@ -143,7 +145,12 @@ pub fn fold_add_one(w: &mut [f32]) {
 
 /// The shape a role must have under `arch`, when the config decides it.
 pub fn expected_shape(arch: &ArchConfig, role: Role) -> Vec<u64> {
-    let (h, q, kv) = (arch.dims.hidden_size, arch.dims.num_heads * arch.dims.head_dim, arch.dims.num_kv_heads * arch.dims.head_dim);
+    // Saturating: declared dims are file data; an overflowing width can match no tensor.
+    let (h, q, kv) = (
+        arch.dims.hidden_size,
+        arch.dims.num_heads.saturating_mul(arch.dims.head_dim),
+        arch.dims.num_kv_heads.saturating_mul(arch.dims.head_dim),
+    );
     let (i, e) = (arch.dims.intermediate_size, arch.dims.num_experts);
     // OLMoE normalises the whole Q/K projection; Gemma 3 normalises per head.
     let (qn, kn) = match arch.dims.family {
@@ -243,9 +250,10 @@ fn build_jobs<'s, 'a>(model: &'s SourceModel<'a>, names: &NameTable) -> Result<V
     for (key, (layer, by_expert)) in experts {
         let role = key.1;
         let canonical = role.tensor_name(layer);
-        let missing: Vec<u32> =
-            (0..num_experts).filter_map(|e| u32::try_from(e).ok()).filter(|e| !by_expert.contains_key(e)).collect();
-        if !missing.is_empty() || by_expert.len() as u64 != num_experts {
+        if by_expert.len() as u64 != num_experts || by_expert.keys().any(|&e| u64::from(e) >= num_experts) {
+            // The first few missing: at most len + 16 indices are looked at, whatever num_experts says.
+            let missing: Vec<u32> =
+                (0..num_experts).map_while(|e| u32::try_from(e).ok()).filter(|e| !by_expert.contains_key(e)).take(16).collect();
             return Err(ConvertError::MissingExperts { canonical, missing, num_experts });
         }
         let parts: Vec<&SourceTensor<'a>> = by_expert.into_values().collect();
@@ -279,6 +287,11 @@ fn build_jobs<'s, 'a>(model: &'s SourceModel<'a>, names: &NameTable) -> Result<V
     let roles: Vec<Role> = names.roles().filter(|r| *r != Role::LmHead || !arch.dims.tie_word_embeddings).collect();
     let mut required: Vec<(Role, Option<u32>)> =
         roles.iter().filter(|r| !r.is_per_layer()).map(|r| (*r, None)).collect();
+    // The declared layer count, bounded by the layers present before the list is built from it.
+    let present = singles.values().filter_map(|j| j.layer).collect::<std::collections::BTreeSet<u32>>().len() as u64;
+    if arch.dims.num_layers > present {
+        return Err(ConvertError::DeclaredCount { what: "layers", declared: arch.dims.num_layers, present });
+    }
     for l in 0..arch.dims.num_layers {
         let l = u32::try_from(l).map_err(|_| ConvertError::LayerOutOfRange {
             tensor: String::new(),
@@ -796,6 +809,25 @@ mod tests {
         let mut bad = model.clone();
         bad.tensors.retain(|t| t.name != "model.layers.0.self_attn.k_norm.weight");
         assert!(matches!(build_jobs(&bad, &names), Err(ConvertError::MissingTensor { .. })));
+        // Declared counts far past the tensors: refused from what is present, without iterating them.
+        let t = Instant::now();
+        let mut layers = model.clone();
+        layers.arch.dims.num_layers = 1 << 31;
+        match build_jobs(&layers, &names) {
+            Err(e @ ConvertError::DeclaredCount { what: "layers", declared: 2147483648, present: 1 }) => {
+                assert_eq!(e.to_string(), "the config declares 2147483648 layers, but the source's tensors hold 1")
+            }
+            other => panic!("{other:?}"),
+        }
+        let mut experts = model.clone();
+        experts.arch.dims.num_experts = 1 << 40;
+        match build_jobs(&experts, &names) {
+            Err(ConvertError::MissingExperts { missing, num_experts, .. }) => {
+                assert_eq!((missing, num_experts), ((2..18).collect::<Vec<u32>>(), 1 << 40))
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(t.elapsed().as_secs_f64() < 1.0, "{:?}", t.elapsed());
         let mut wrong = model;
         wrong.tensors[1].shape = vec![15];
         let e = build_jobs(&wrong, &names).unwrap_err();

@@ -15,6 +15,7 @@ use crate::dtype::DType;
 use crate::manifest::{Manifest, TensorEntry, MANIFEST_FORMAT};
 use crate::role::Role;
 use crate::engine::WeightView;
+use crate::tokenizer::{TextTokenizer, TokenizerError};
 use crate::weight_format::{ScaleKind, WeightLayout};
 
 #[doc(hidden)]
@@ -127,6 +128,8 @@ pub enum FormatError {
     InvalidMaxPageSize(u64),
     #[error("unsupported platform: {0}")]
     UnsupportedPlatform(&'static str),
+    #[error("the archive's tokenizer or chat template: {0}")]
+    Tokenizer(#[from] TokenizerError),
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> FormatError + '_ {
@@ -502,6 +505,8 @@ pub struct Archive {
     manifest: Manifest,
     pages: Vec<PageEntry>,
     file_len: u64,
+    /// The embedded tokenizer, loaded and exercised at open.
+    tokenizer: std::sync::Arc<TextTokenizer>,
 }
 
 pub struct VerifyReport {
@@ -621,7 +626,10 @@ fn elements<'a, T: Pod>(t: &TensorEntry, b: &'a [u8]) -> Result<&'a [T], FormatE
 }
 
 impl Archive {
-    /// Reads and validates header, page table and manifest (no page hashing).
+    /// Reads and validates header, page table and manifest (no page hashing), and loads what the
+    /// manifest embeds for other libraries: the tokenizer (parsed, a probe text encoded and
+    /// decoded, every id decoded) and the chat template (rendered once), so an archive whose
+    /// tokenizer or template fails, loops or crashes its library is refused here, by every command.
     pub fn open(path: &Path) -> Result<Archive, FormatError> {
         if cfg!(target_endian = "big") {
             return Err(FormatError::UnsupportedPlatform("big-endian hosts cannot map archives zero-copy"));
@@ -649,7 +657,14 @@ impl Archive {
         check_pages(&pages, header.data_off, header.page_table_off)?;
         let manifest: Manifest = serde_json::from_slice(m_bytes).map_err(|e| FormatError::ManifestJson(e.to_string()))?;
         validate_manifest(&manifest, &pages)?;
-        Ok(Archive { mmap, header, manifest, pages, file_len })
+        let tokenizer = TextTokenizer::from_info(&manifest.tokenizer)?;
+        tokenizer.check_chat_template()?;
+        Ok(Archive { mmap, header, manifest, pages, file_len, tokenizer: std::sync::Arc::new(tokenizer) })
+    }
+
+    /// The embedded tokenizer (checked at open), shared.
+    pub fn tokenizer(&self) -> &std::sync::Arc<TextTokenizer> {
+        &self.tokenizer
     }
 
     pub fn header(&self) -> &Header {

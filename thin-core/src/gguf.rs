@@ -94,6 +94,8 @@ pub enum GgufError {
     },
     #[error("metadata key {key}: bad value: {reason}")]
     BadValue { key: String, reason: String },
+    #[error("metadata key {key} declares {declared}, but the file's tensors hold {present} {what}")]
+    Unbacked { key: String, declared: u64, present: u64, what: &'static str },
     #[error("unsupported architecture {0:?} (llama, smollm3, gemma3, olmoe are supported)")]
     UnsupportedArch(String),
     #[error("unsupported tokenizer model {0:?} (only \"gpt2\" byte-level BPE is supported)")]
@@ -733,6 +735,11 @@ pub fn arch_from_gguf(meta: &BTreeMap<String, GgufValue>, tensors: &[GgufTensorI
     let k = |s: &str| format!("{arch}.{s}");
     let hidden_size = req_u64(meta, &k("embedding_length"))?;
     let num_layers = req_u64(meta, &k("block_count"))?;
+    // Declared counts are bounded by the tensors present before anything is sized by them.
+    let layers_present = distinct_layers(tensors);
+    if num_layers > layers_present {
+        return Err(GgufError::Unbacked { key: k("block_count"), declared: num_layers, present: layers_present, what: "layers (distinct blk.N)" });
+    }
     let intermediate_size = match meta.get(&k("feed_forward_length")) {
         // Some converters write one length per layer; all equal for the supported families.
         Some(GgufValue::Array(a)) => {
@@ -780,11 +787,15 @@ pub fn arch_from_gguf(meta: &BTreeMap<String, GgufValue>, tensors: &[GgufTensorI
                 .unwrap_or(max_position_embeddings),
         }),
     };
+    let declared_vocab = get_u64(meta, &k("vocab_size"))?;
     let vocab_size = match meta.get("tokenizer.ggml.tokens") {
         Some(GgufValue::Array(a)) => a.len() as u64,
         Some(v) => return Err(wrong("tokenizer.ggml.tokens", "array", v)),
-        None => req_u64(meta, &k("vocab_size"))?,
+        None => declared_vocab.ok_or_else(|| GgufError::MissingKey(k("vocab_size")))?,
     };
+    if let Some(v) = declared_vocab.filter(|&v| v != vocab_size) {
+        return Err(GgufError::BadValue { key: k("vocab_size"), reason: format!("{v}, but tokenizer.ggml.tokens lists {vocab_size} tokens") });
+    }
     let tie_word_embeddings = !tensors.iter().any(|t| t.name == "output.weight");
     let mut cfg = ArchConfig {
         dims: ShapeDims {
@@ -816,14 +827,13 @@ pub fn arch_from_gguf(meta: &BTreeMap<String, GgufValue>, tensors: &[GgufTensorI
         moe: None,
         hidden_act: "silu".to_string(),
     };
-    // Per-layer lists are built only for a sane layer count.
-    let layers_capped = num_layers.min(4096);
+    // Per-layer lists: num_layers is at most the file's distinct layers (checked above).
     match family {
         Family::Llama => {}
         Family::Smollm3 => {
             // llama.cpp: every `interval`-th layer (1-based) skips RoPE; SmolLM3 uses 4.
             let interval = get_u64(meta, &k("no_rope_layer_interval"))?.unwrap_or(4).max(1);
-            cfg.no_rope_layers = (0..layers_capped).filter(|l| (l + 1) % interval == 0).collect();
+            cfg.no_rope_layers = (0..num_layers).filter(|l| (l + 1) % interval == 0).collect();
         }
         Family::Gemma3 => {
             cfg.hidden_act = "gelu_pytorch_tanh".to_string();
@@ -832,7 +842,7 @@ pub fn arch_from_gguf(meta: &BTreeMap<String, GgufValue>, tensors: &[GgufTensorI
             let pattern = get_u64(meta, &k("attention.sliding_window_pattern"))?
                 .unwrap_or(6)
                 .max(1);
-            cfg.layer_attention = (0..layers_capped)
+            cfg.layer_attention = (0..num_layers)
                 .map(|l| {
                     if (l + 1) % pattern == 0 {
                         LayerAttention::Full
@@ -847,12 +857,29 @@ pub fn arch_from_gguf(meta: &BTreeMap<String, GgufValue>, tensors: &[GgufTensorI
             cfg.attn_logit_softcap = get_f64(meta, &k("attn_logit_softcapping"))?;
         }
         Family::Olmoe => {
-            cfg.dims.num_experts = req_u64(meta, &k("expert_count"))?;
-            cfg.dims.top_k = req_u64(meta, &k("expert_used_count"))?;
+            let experts = req_u64(meta, &k("expert_count"))?;
+            // Experts are stacked in `*_exps` tensors, outermost dim first.
+            let stacked = tensors.iter().filter(|t| t.name.contains("_exps.")).filter_map(|t| t.dims.last().copied()).max().unwrap_or(0);
+            if experts > stacked {
+                return Err(GgufError::Unbacked { key: k("expert_count"), declared: experts, present: stacked, what: "experts (the outermost dim of the *_exps tensors)" });
+            }
+            let top_k = req_u64(meta, &k("expert_used_count"))?;
+            if top_k > experts {
+                return Err(GgufError::BadValue { key: k("expert_used_count"), reason: format!("{top_k} is more than expert_count {experts}") });
+            }
+            cfg.dims.num_experts = experts;
+            cfg.dims.top_k = top_k;
             cfg.moe = Some(MoeConfig { norm_topk_prob: false });
         }
     }
     Ok(cfg)
+}
+
+/// How many distinct layer indices the tensor names carry (`blk.<N>.`, llama.cpp's naming).
+fn distinct_layers(tensors: &[GgufTensorInfo]) -> u64 {
+    let layers: std::collections::BTreeSet<u64> =
+        tensors.iter().filter_map(|t| t.name.strip_prefix("blk.")?.split('.').next()?.parse().ok()).collect();
+    layers.len() as u64
 }
 
 /// llama.cpp's HF→GGUF converter permutes the rows of Llama-family Q and K projections for its

@@ -297,6 +297,10 @@ impl Cfg<'_> {
     }
 }
 
+/// Most layers a config.json may declare: per-layer lists are built from the count before the
+/// tensors are read (the converter then requires every declared layer's tensors).
+pub const MAX_LAYERS: u64 = 1 << 16;
+
 /// Read the arch from config.json (the text config for multimodal Gemma 3).
 pub fn arch_from_config(path: &Path, config: &Value) -> Result<ArchConfig, SafetensorsError> {
     let top = Cfg { path, v: config };
@@ -322,6 +326,9 @@ pub fn arch_from_config(path: &Path, config: &Value) -> Result<ArchConfig, Safet
         return Err(
             c.err("num_attention_heads", "hidden_size, num_hidden_layers and num_attention_heads must be positive")
         );
+    }
+    if num_layers > MAX_LAYERS {
+        return Err(c.err("num_hidden_layers", &format!("{num_layers} is more than {MAX_LAYERS}, the most a checkpoint may declare")));
     }
     let num_kv_heads = c.u64_opt("num_key_value_heads")?.unwrap_or(num_heads);
     if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
@@ -473,11 +480,14 @@ pub fn arch_from_config(path: &Path, config: &Value) -> Result<ArchConfig, Safet
         Family::Llama | Family::Smollm3 | Family::Olmoe => (Vec::new(), None),
     };
     let (num_experts, top_k, moe) = match family {
-        Family::Olmoe => (
-            c.u64("num_experts")?,
-            c.u64("num_experts_per_tok")?,
-            Some(MoeConfig { norm_topk_prob: c.bool_opt("norm_topk_prob")?.unwrap_or(false) }),
-        ),
+        Family::Olmoe => {
+            // (The converter checks num_experts against the expert tensors present.)
+            let (experts, top_k) = (c.u64("num_experts")?, c.u64("num_experts_per_tok")?);
+            if top_k > experts {
+                return Err(c.err("num_experts_per_tok", &format!("{top_k} is more than num_experts {experts}")));
+            }
+            (experts, top_k, Some(MoeConfig { norm_topk_prob: c.bool_opt("norm_topk_prob")?.unwrap_or(false) }))
+        }
         Family::Llama | Family::Smollm3 | Family::Gemma3 => (0, 0, None),
     };
     let default_act = match family {

@@ -1,5 +1,15 @@
 //! Tokenizer wrapper (HF `tokenizers`) with BOS handling, streaming detokenization, and chat-template
 //! rendering (minijinja, with Python string methods as HF templates use them).
+//!
+//! The tokenizer JSON and the chat template come from files (an archive, a GGUF, an HF directory),
+//! and both libraries can panic on inputs they accept at parse time (a `Strip` decoder whose
+//! `stop` runs past a token panics when that token is decoded). Every call into them runs under
+//! [`guarded`], which turns a panic into [`TokenizerError::Panicked`] naming the part, and
+//! [`TextTokenizer::from_info`] exercises the tokenizer once (a probe text encoded and decoded,
+//! every vocabulary id decoded) so a broken one is refused where it enters, not mid-answer.
+
+use std::cell::Cell;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::manifest::TokenizerInfo;
 
@@ -17,6 +27,45 @@ pub enum TokenizerError {
     Template(String),
     #[error("the archive's chat template exceeded its {what} limit ({limit}) while rendering: a template that loops or grows without end")]
     TemplateLimit { what: &'static str, limit: u64 },
+    #[error("the {part} crashed the {library} library while {during}: {message}")]
+    Panicked { part: &'static str, library: &'static str, during: String, message: String },
+}
+
+/// The parts a [`TokenizerError::Panicked`] names.
+pub const TOKENIZER_JSON: &str = "embedded tokenizer.json";
+pub const CHAT_TEMPLATE: &str = "chat template";
+
+/// Text every tokenizer must encode and decode at load: ASCII words, digits, punctuation,
+/// whitespace runs, Latin-1, CJK, an emoji (4 UTF-8 bytes).
+pub const PROBE_TEXT: &str = "Hello, world! 0123456789 \t\n  <|x|> é ß 中文 🙂";
+
+thread_local! {
+    /// Depth of [`guarded`] calls on this thread.
+    static GUARDED: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Whether this thread is inside a [`guarded`] library call: a panic hook stays quiet then (the
+/// panic becomes a typed error when it unwinds out of the call).
+pub fn in_guarded_call() -> bool {
+    GUARDED.with(|g| g.get() > 0)
+}
+
+/// The message a panic carried (`panic!("...")` gives a `&str` or a `String`).
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_string())
+}
+
+/// Runs `f`, a call into `library` on untrusted `part`, turning a panic into
+/// [`TokenizerError::Panicked`].
+fn guarded<T>(part: &'static str, library: &'static str, during: impl FnOnce() -> String, f: impl FnOnce() -> T) -> Result<T, TokenizerError> {
+    GUARDED.with(|g| g.set(g.get() + 1));
+    let r = catch_unwind(AssertUnwindSafe(f));
+    GUARDED.with(|g| g.set(g.get() - 1));
+    r.map_err(|p| TokenizerError::Panicked { part, library, during: during(), message: panic_message(&*p) })
 }
 
 /// Instructions a chat template may execute per render: real templates take a few thousand for
@@ -62,22 +111,38 @@ pub struct TextTokenizer {
 }
 
 impl TextTokenizer {
+    /// Parses the tokenizer JSON and exercises it ([`TextTokenizer::probe`]): a tokenizer that
+    /// does not load, fails or panics is refused here.
     pub fn from_info(info: &TokenizerInfo) -> Result<Self, TokenizerError> {
-        let inner: tokenizers::Tokenizer =
-            info.tokenizer_json.parse().map_err(|e: tokenizers::Error| TokenizerError::Load(e.to_string()))?;
-        Ok(TextTokenizer {
+        let parsed = guarded(TOKENIZER_JSON, "tokenizers", || "parsing it".into(), || info.tokenizer_json.parse::<tokenizers::Tokenizer>())?;
+        let inner = parsed.map_err(|e| TokenizerError::Load(e.to_string()))?;
+        let t = TextTokenizer {
             inner,
             bos_token_id: info.bos_token_id,
             eos_token_ids: info.eos_token_ids.clone(),
             add_bos: info.add_bos,
             chat_template: info.chat_template.clone(),
-        })
+        };
+        t.probe()?;
+        Ok(t)
+    }
+
+    /// Encodes and decodes [`PROBE_TEXT`], then decodes every id of the vocabulary in one call
+    /// (decoders work token by token, so a token that breaks the decoder shows here).
+    pub fn probe(&self) -> Result<(), TokenizerError> {
+        let ids = self.encode(PROBE_TEXT)?;
+        self.decode(&ids)?;
+        let vocab = u32::try_from(self.vocab_size()).unwrap_or(u32::MAX);
+        let all: Vec<u32> = (0..vocab).collect();
+        self.decode(&all)?;
+        Ok(())
     }
 
     /// Ids of `text`; the tokenizer's own post-processor runs, and BOS is prepended when the archive
     /// asks for it and the post-processor did not already add it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
-        let enc = self.inner.encode(text, true).map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        let enc = guarded(TOKENIZER_JSON, "tokenizers", || format!("encoding {} bytes of text", text.len()), || self.inner.encode(text, true))?
+            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
         let mut ids = enc.get_ids().to_vec();
         if let (true, Some(bos)) = (self.add_bos, self.bos_token_id) {
             if ids.first() != Some(&bos) {
@@ -88,7 +153,11 @@ impl TextTokenizer {
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
-        self.inner.decode(ids, false).map_err(|e| TokenizerError::Decode(e.to_string()))
+        let during = || match ids {
+            [id] => format!("decoding token {id}"),
+            _ => format!("decoding {} tokens", ids.len()),
+        };
+        guarded(TOKENIZER_JSON, "tokenizers", during, || self.inner.decode(ids, false))?.map_err(|e| TokenizerError::Decode(e.to_string()))
     }
 
     pub fn is_eos(&self, id: u32) -> bool {
@@ -106,6 +175,10 @@ impl TextTokenizer {
     /// Renders the archive's chat template with `add_generation_prompt = true`.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, TokenizerError> {
         let template = self.chat_template.as_deref().ok_or(TokenizerError::NoChatTemplate)?;
+        guarded(CHAT_TEMPLATE, "minijinja", || format!("rendering {} messages", messages.len()), || self.render_unguarded(template, messages))?
+    }
+
+    fn render_unguarded(&self, template: &str, messages: &[ChatMessage]) -> Result<String, TokenizerError> {
         let mut env = minijinja::Environment::new();
         env.set_fuel(Some(CHAT_TEMPLATE_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -242,6 +315,38 @@ mod tests {
         assert_eq!(out, "<|user|>hi\n<|assistant|>");
         let none = TextTokenizer::from_info(&byte_level_info(None)).unwrap();
         assert!(matches!(none.render_chat(&[]), Err(TokenizerError::NoChatTemplate)));
+    }
+
+    /// A `Strip` decoder whose `stop` runs past a one-character token parses, then panics inside
+    /// `tokenizers` when that token is decoded (issue 24's reproducer): loading probes the whole
+    /// vocabulary, so it is refused at load, naming the part; and a call on a tokenizer that got
+    /// past the probe is guarded too.
+    #[test]
+    fn a_decoder_that_panics_is_refused_at_load() {
+        let mut info = byte_level_info(None);
+        let mut v: serde_json::Value = serde_json::from_str(&info.tokenizer_json).unwrap();
+        v["decoder"] = serde_json::json!({"type": "Strip", "content": "a", "start": 0, "stop": 2});
+        info.tokenizer_json = v.to_string();
+        let parsed: tokenizers::Tokenizer = info.tokenizer_json.parse().expect("the library accepts it");
+        let a = parsed.token_to_id("a").expect("byte-level 'a'");
+        let hook = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        assert!(catch_unwind(AssertUnwindSafe(|| parsed.decode(&[a], false))).is_err(), "the library itself panics");
+        let loaded = TextTokenizer::from_info(&info);
+        let guarded_decode = TextTokenizer { inner: parsed, bos_token_id: None, eos_token_ids: vec![], add_bos: false, chat_template: None }.decode(&[a]);
+        std::panic::set_hook(hook);
+        match loaded {
+            Err(e @ TokenizerError::Panicked { part: TOKENIZER_JSON, library: "tokenizers", .. }) => {
+                let msg = e.to_string();
+                assert!(msg.starts_with("the embedded tokenizer.json crashed the tokenizers library while decoding 256 tokens"), "{msg}");
+            }
+            other => panic!("{:?}", other.err()),
+        }
+        match guarded_decode {
+            Err(TokenizerError::Panicked { during, .. }) => assert_eq!(during, format!("decoding token {a}")),
+            other => panic!("{other:?}"),
+        }
+        assert!(!in_guarded_call());
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Mutation fuzzing of a small valid archive: byte flips, truncations, extensions, and flips with
-//! the archive hash recomputed (so the page-table and manifest validators see the damage).
+//! the archive hash recomputed (so the page-table and manifest validators see the damage); and
+//! structure-aware mutations of the manifest's JSON fields (common/json_mutate.rs), re-signed.
 //! `Archive::open` (+ `verify` when it opens) must return Ok or Err, never panic.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -159,4 +160,76 @@ fn mutations_never_panic() {
     );
     assert!(total >= 10_000);
     assert!(panics.is_empty(), "{} panics: {:?}", panics.len(), &panics[..panics.len().min(20)]);
+}
+
+#[allow(dead_code)]
+#[path = "common/json_mutate.rs"]
+mod json_mutate;
+
+/// Manifest fields mutated (numbers to extremes, types swapped, arrays emptied or enlarged,
+/// strings lengthened, keys removed or added, the embedded tokenizer.json mutated inside) and the
+/// header re-signed, so every check past the archive hash sees them: `Archive::open` (which loads
+/// the tokenizer and renders the chat template), `verify` and the manifest's JSON (what `inspect`
+/// prints) must give Ok or a typed error in bounded time, never panic.
+#[test]
+fn manifest_field_mutations_never_panic() {
+    use json_mutate::{mutate, Rng as JRng, Tally};
+    let dir = tempfile::tempdir().unwrap();
+    let base_path = dir.path().join("base.thin");
+    write_tiny(&base_path, 2, false, None).unwrap();
+    let base = std::fs::read(&base_path).unwrap();
+    let parts = split(&base);
+    let shm = Path::new("/dev/shm");
+    let case_dir = if shm.is_dir() { tempfile::tempdir_in(shm).ok() } else { None };
+    let case_path = case_dir.as_ref().map_or_else(|| dir.path().to_path_buf(), |d| d.path().to_path_buf()).join("case.thin");
+    let cases: u64 = std::env::var("THIN_FUZZ_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(10_000);
+    let prev = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let t0 = std::time::Instant::now();
+    let (mut tally, mut opened, mut verified) = (Tally::default(), 0u64, 0u64);
+    let (mut panics, mut slow) = (Vec::new(), Vec::new());
+    for case in 0..cases {
+        let seed = SEED ^ 0x4a53_4f4e ^ case.wrapping_mul(0x1000_0000_01B3);
+        let mut rng = JRng(seed);
+        let mut m = parts.manifest.clone();
+        // A quarter of the cases go into what other libraries parse (tokenizer, chat template).
+        let target = if case % 4 == 0 { m.pointer_mut("/tokenizer").unwrap() } else { &mut m };
+        let class = mutate(target, &mut rng);
+        tally.add(class);
+        let json = serde_json::to_vec(&m).unwrap();
+        std::fs::write(&case_path, rebuild(&base, &parts.header, &parts.pages, &json)).unwrap();
+        let t = std::time::Instant::now();
+        let r = catch_unwind(AssertUnwindSafe(|| match Archive::open(&case_path) {
+            Ok(a) => {
+                let _ = serde_json::to_string(a.manifest()).map(|s| s.len());
+                (true, a.verify().is_ok())
+            }
+            Err(e) => {
+                let _ = e.to_string();
+                (false, false)
+            }
+        }));
+        let took = t.elapsed();
+        match r {
+            Ok((o, v)) => {
+                opened += o as u64;
+                verified += v as u64;
+            }
+            Err(p) => panics.push(format!("case {case} seed {seed:#x} ({class:?}): {}", thin_core::tokenizer::panic_message(&*p))),
+        }
+        if took > std::time::Duration::from_secs(2) {
+            slow.push(format!("case {case} seed {seed:#x} ({class:?}): {took:?}"));
+        }
+    }
+    std::panic::set_hook(prev);
+    eprintln!(
+        "{cases} manifest mutations in {:?}: {opened} opened, {verified} verified; {} panics, {} over 2 s; classes: {}",
+        t0.elapsed(),
+        panics.len(),
+        slow.len(),
+        tally.line()
+    );
+    assert!(panics.is_empty(), "{} panics: {:#?}", panics.len(), &panics[..panics.len().min(20)]);
+    assert!(slow.is_empty(), "{slow:#?}");
+    assert!(opened > 0 && opened < cases, "mutations must both pass and fail: {opened} of {cases} opened");
 }

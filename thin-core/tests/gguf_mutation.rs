@@ -1,5 +1,8 @@
-//! Mutation fuzzing of a valid small GGUF: byte flips, truncations and random extensions.
-//! Every case must return Ok or a typed error from open, source_model and decode; never panic.
+//! Mutation fuzzing of a valid small GGUF: byte flips, truncations and random extensions; and
+//! structure-aware mutations of its metadata values (types swapped, integers to extremes, arrays
+//! emptied, enlarged or retyped, strings lengthened, keys dropped or duplicated). Every case must
+//! return Ok or a typed error from open, source_model, the tokenizer it builds and decode; never
+//! panic.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -159,6 +162,148 @@ fn mutations_never_panic() {
     assert!(opened > cases / 10, "mutations too destructive: only {opened} opened");
     // The time budget is for the default case count; THIN_FUZZ_CASES runs longer on purpose.
     assert!(secs < 30.0 || cases > 12_000, "took {secs:.1}s");
+}
+
+/// One structure-aware change to `g`'s metadata; returns its class.
+fn mutate_metadata(g: &mut Gguf, rng: &mut SplitMix64) -> &'static str {
+    let i = rng.below(g.kvs.len() as u64) as usize;
+    let extremes = [0u64, 1, 2, 255, 4096, 1 << 31, u32::MAX as u64, 1 << 40, i64::MAX as u64, u64::MAX];
+    let (_, ty, payload) = &mut g.kvs[i];
+    match rng.below(8) {
+        0 => {
+            // Integer value at an extreme, in its own width or as u64.
+            let v = extremes[rng.below(extremes.len() as u64) as usize];
+            if rng.below(2) == 0 {
+                *ty = T_U64;
+                *payload = v.to_le_bytes().to_vec();
+            } else {
+                *ty = T_U32;
+                *payload = (v as u32).to_le_bytes().to_vec();
+            }
+            "integer extreme"
+        }
+        1 => {
+            // Another type, with a payload of that type.
+            match rng.below(4) {
+                0 => {
+                    *ty = T_STRING;
+                    *payload = s("x");
+                }
+                1 => {
+                    *ty = T_F32;
+                    *payload = [f32::NAN, f32::INFINITY, -1.0, 1e30][rng.below(4) as usize].to_le_bytes().to_vec();
+                }
+                2 => {
+                    *ty = T_BOOL;
+                    *payload = vec![1];
+                }
+                _ => {
+                    *ty = T_ARRAY;
+                    *payload = [T_U32.to_le_bytes().to_vec(), 1u64.to_le_bytes().to_vec(), 7u32.to_le_bytes().to_vec()].concat();
+                }
+            }
+            "type swapped"
+        }
+        2 if *ty == T_ARRAY => {
+            let ety = payload[..4].to_vec();
+            *payload = [ety, 0u64.to_le_bytes().to_vec()].concat();
+            "array emptied"
+        }
+        3 if *ty == T_ARRAY => {
+            // Elements repeated: the count scaled and the element bytes copied.
+            let n = u64::from_le_bytes(payload[4..12].try_into().unwrap());
+            let times = 2 + rng.below(30);
+            let body = payload[12..].to_vec();
+            let mut p = payload[..4].to_vec();
+            p.extend_from_slice(&(n * times).to_le_bytes());
+            for _ in 0..times {
+                p.extend_from_slice(&body);
+            }
+            *payload = p;
+            "array enlarged"
+        }
+        4 if *ty == T_ARRAY => {
+            // Element type changed, count kept (the bytes now mean something else).
+            let t = [0u32, 4, 5, 6, 7, 8, 10, 12][rng.below(8) as usize];
+            payload[..4].copy_from_slice(&t.to_le_bytes());
+            "array retyped"
+        }
+        5 if *ty == T_STRING => {
+            let body = payload[8..].to_vec();
+            let times = 2 + rng.below(2000) as usize;
+            let mut v: Vec<u8> = body.repeat(times);
+            if v.is_empty() || rng.below(4) == 0 {
+                v.push(0xff); // not UTF-8
+            }
+            *payload = [(v.len() as u64).to_le_bytes().to_vec(), v].concat();
+            "string lengthened"
+        }
+        6 => {
+            g.kvs.remove(i);
+            "key removed"
+        }
+        _ => {
+            let kv = g.kvs[i].clone();
+            g.kvs.push(kv);
+            "key duplicated"
+        }
+    }
+}
+
+/// Metadata values mutated as values: every result goes through the whole read path, and a
+/// model that comes out has its tokenizer loaded (and probed) as convert does.
+#[test]
+fn metadata_mutations_never_panic() {
+    let base = valid();
+    let seed: u64 = std::env::var("THIN_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x6d65_7461);
+    let cases: u64 = std::env::var("THIN_FUZZ_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(6_000);
+    let prev = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let start = std::time::Instant::now();
+    let mut classes: std::collections::BTreeMap<&str, u64> = Default::default();
+    let (mut modeled, mut tokenized, mut failures, mut slow) = (0u64, 0u64, Vec::new(), Vec::new());
+    for case in 0..cases {
+        let case_seed = seed ^ case.wrapping_mul(0xA24B_AED4_963E_E407);
+        let mut rng = SplitMix64(case_seed);
+        let mut g = base.clone();
+        let mut class = mutate_metadata(&mut g, &mut rng);
+        if rng.below(3) == 0 {
+            mutate_metadata(&mut g, &mut rng);
+            class = "two changes";
+        }
+        *classes.entry(class).or_default() += 1;
+        let t = std::time::Instant::now();
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            let Ok(f) = GgufFile::from_bytes(g.build()) else { return (false, false) };
+            match f.source_model("fuzz.gguf") {
+                Ok(m) => (true, thin_core::tokenizer::TextTokenizer::from_info(&m.tokenizer).is_ok()),
+                Err(e) => {
+                    let _ = e.to_string();
+                    (false, false)
+                }
+            }
+        }));
+        match r {
+            Ok((m, t)) => {
+                modeled += m as u64;
+                tokenized += t as u64;
+            }
+            Err(p) => failures.push(format!("case {case} (case seed {case_seed:#x}, {class}): {}", thin_core::tokenizer::panic_message(&*p))),
+        }
+        if t.elapsed() > std::time::Duration::from_secs(2) {
+            slow.push(format!("case {case} (case seed {case_seed:#x}, {class}): {:?}", t.elapsed()));
+        }
+    }
+    std::panic::set_hook(prev);
+    eprintln!(
+        "{cases} metadata mutations in {:.2}s: {modeled} gave a source model, {tokenized} a working tokenizer; {} panics, {} over 2 s; classes: {classes:?}",
+        start.elapsed().as_secs_f64(),
+        failures.len(),
+        slow.len()
+    );
+    assert!(failures.is_empty(), "panics (seed {seed:#x}):\n{}", failures.join("\n"));
+    assert!(slow.is_empty(), "{slow:#?}");
+    assert!(modeled > cases / 10 && modeled < cases, "{modeled} of {cases} gave a model");
 }
 
 // The synthetic GGUF writer lives in tests/common/gguf_writer.rs.
