@@ -138,6 +138,8 @@ fn install_panic_hook() {
         std::process::exit(EXIT_INTERNAL_ERROR);
     }));
     // For the test of this hook (tests/hostile.rs): a panic on the main thread or on another one.
+    // Debug builds only: a release binary has no such switch.
+    #[cfg(debug_assertions)]
     match std::env::var("THIN_TEST_PANIC").as_deref() {
         Ok("main") => panic!("THIN_TEST_PANIC=main"),
         Ok("thread") => {

@@ -111,7 +111,9 @@ fn a_tokenizer_that_panics_its_library_is_refused_at_open_and_at_convert() {
     assert!(std::fs::read_dir(tmp.path()).expect("ls").all(|e| !e.expect("e").file_name().to_string_lossy().starts_with("from-src")));
 }
 
-/// Any other panic, on the main thread or another, is one `internal error:` line and exit 70.
+/// Any other panic, on the main thread or another, is one `internal error:` line and exit 70
+/// (the switch that forces one exists in debug builds only).
+#[cfg(debug_assertions)]
 #[test]
 fn a_panic_is_an_internal_error_with_exit_code_70() {
     for (which, at) in [("main", "src/main.rs"), ("thread", "src/main.rs")] {
