@@ -576,7 +576,7 @@ mod tests {
     }
 
     #[test]
-    fn fp8_profile_quantizes_gate_up_everywhere_and_down_in_the_middle() {
+    fn fp8_profile_quantizes_gate_up_of_the_first_two_thirds_and_down_in_the_middle() {
         let p = Profile::shipped("fp8").unwrap();
         let inputs = [
             input("token_embd", Role::TokenEmbd, None, SourceDType::Bf16),
@@ -584,9 +584,11 @@ mod tests {
             input("blk.0.ffn_down", Role::FfnDown, Some(0), SourceDType::Bf16),
             input("blk.15.ffn_down", Role::FfnDown, Some(15), SourceDType::Bf16),
             input("blk.15.attn_o", Role::AttnO, Some(15), SourceDType::Bf16),
+            input("blk.19.ffn_up", Role::FfnUp, Some(19), SourceDType::Bf16),
+            input("blk.20.ffn_up", Role::FfnUp, Some(20), SourceDType::Bf16),
         ];
         use QuantMethod::*;
-        assert_eq!(methods(&p, 30, &inputs), [Bf16, Fp8RowScale, Bf16, Fp8RowScale, Bf16]);
+        assert_eq!(methods(&p, 30, &inputs), [Bf16, Fp8RowScale, Bf16, Fp8RowScale, Bf16, Fp8RowScale, Bf16]);
         let plan = plan_quantization(&p, 30, &inputs, false).unwrap();
         assert!(plan[3].rule.contains("layers middle = 7..22 of 30"), "{}", plan[3].rule);
     }
