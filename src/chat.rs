@@ -87,7 +87,7 @@ pub fn chat(a: ChatArgs) -> anyhow::Result<()> {
     if a.max_tokens >= session.ctx() {
         bail!("--max-tokens {} leaves no room for a message in a context of {} tokens", a.max_tokens, session.ctx());
     }
-    let sampling = SamplerConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed };
+    let sampling = SamplerConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed, ..Default::default() };
     // Ctrl-C: stop the answer being generated; at the prompt, quit.
     let (generating, stop) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
     {

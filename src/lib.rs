@@ -287,6 +287,8 @@ pub fn generate(
         return Err(Error::EmptyPrompt);
     }
     let start = Instant::now();
+    // The prompt is part of the repetition penalty's window (as in llama.cpp).
+    prompt.iter().for_each(|&t| sampler.accept(t));
     let mut id = match engine.prefill(prompt) {
         Ok(logits) => sampler.sample(logits),
         Err(source) => return Err(Error::Step { what: "prefill of the prompt", pos: 0, source }),
@@ -299,6 +301,7 @@ pub fn generate(
             break Stop::MaxTokens;
         }
         generated += 1;
+        sampler.accept(id);
         if on_token(id).map_err(Error::Callback)? == Flow::Stop {
             break Stop::Cancelled;
         }

@@ -73,7 +73,7 @@ fn top_k(s: &str) -> Result<usize, String> {
 }
 
 pub fn run(a: RunArgs) -> anyhow::Result<()> {
-    let sampling = SamplerConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed };
+    let sampling = SamplerConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed, ..Default::default() };
     if a.prompt.as_deref() == Some("") {
         bail!("--prompt is empty");
     }
