@@ -1,7 +1,8 @@
 //! `thin chat`: an interactive terminal chat (like `llama-cli -cnv`). Each turn renders the whole
 //! conversation through the archive's chat template; the oldest turns are dropped when it would no
 //! longer leave room for an answer in the context. Ctrl-C stops the answer being written (and
-//! quits at the prompt); `/exit` or end of input quits, `/clear` forgets the conversation.
+//! quits at the prompt); `/exit` or end of input quits, `/clear` forgets the conversation. The run
+//! control (context, system message, stop strings, sampling) is `thin run`'s.
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
@@ -10,51 +11,20 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use thin::{Flow, GenerateOptions, Session};
-use thin_core::sampler::SamplerConfig;
+use thin::{Flow, GenerateOptions, Session, StopStrings};
 use thin_core::tokenizer::ChatMessage;
+
+use crate::run::RunControl;
 
 #[derive(Args, Debug)]
 pub struct ChatArgs {
     /// A .thin archive with a chat template.
     pub model: PathBuf,
-    /// A system message at the start of the conversation (kept when old turns are dropped).
-    #[arg(long)]
-    pub system: Option<String>,
     /// Most tokens per answer; the conversation is shortened to leave this much room.
     #[arg(long, default_value_t = 512)]
     pub max_tokens: usize,
-    /// 0 is greedy (argmax).
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, value_parser = non_negative)]
-    pub temperature: f32,
-    /// Sample among the k most likely tokens only; 0 means no cut.
-    #[arg(long, default_value_t = 0)]
-    pub top_k: usize,
-    /// Nucleus sampling: the smallest set of tokens whose probability reaches p; 1 means no cut.
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = probability)]
-    pub top_p: f32,
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    #[arg(long, value_enum, default_value = "auto")]
-    pub backend: thin::Backend,
-    /// Positions the conversation and an answer may take together (default 4096, at most the model's).
-    #[arg(long)]
-    pub ctx: Option<usize>,
-}
-
-// The same ranges `thin run` checks for its sampling flags.
-fn non_negative(s: &str) -> Result<f32, String> {
-    match s.parse::<f32>() {
-        Ok(t) if t.is_finite() && t >= 0.0 => Ok(t),
-        _ => Err(format!("{s:?} is not a finite number >= 0 (0 is greedy)")),
-    }
-}
-
-fn probability(s: &str) -> Result<f32, String> {
-    match s.parse::<f32>() {
-        Ok(p) if p > 0.0 && p <= 1.0 => Ok(p),
-        _ => Err(format!("{s:?} is not in (0, 1] (1: no cut)")),
-    }
+    #[command(flatten)]
+    pub control: RunControl,
 }
 
 /// The conversation's prompt ids, with the oldest user/assistant turns dropped until they leave
@@ -82,12 +52,11 @@ pub fn chat(a: ChatArgs) -> anyhow::Result<()> {
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
-    let mut session = thin::open(&a.model, &thin::Options { backend: a.backend, ctx: a.ctx, progress: true, ..Default::default() })
-        .with_context(|| format!("no engine for {}", a.model.display()))?;
+    let mut session = a.control.open(&a.model)?;
     if a.max_tokens >= session.ctx() {
         bail!("--max-tokens {} leaves no room for a message in a context of {} tokens", a.max_tokens, session.ctx());
     }
-    let sampling = SamplerConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed };
+    let sampling = a.control.sampling();
     // Ctrl-C: stop the answer being generated; at the prompt, quit.
     let (generating, stop) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
     {
@@ -109,7 +78,7 @@ pub fn chat(a: ChatArgs) -> anyhow::Result<()> {
         session.backend(),
         session.ctx()
     );
-    let system: Vec<ChatMessage> = a.system.iter().map(|s| ChatMessage { role: "system".into(), content: s.clone() }).collect();
+    let system: Vec<ChatMessage> = a.control.system_message().into_iter().collect();
     let mut history = system.clone();
     let tok = session.tokenizer().clone();
     let stdin = std::io::stdin();
@@ -139,6 +108,8 @@ pub fn chat(a: ChatArgs) -> anyhow::Result<()> {
         };
         let mut answer = String::new();
         let mut stream = tok.stream();
+        let mut stops = StopStrings::new(&a.control.stop);
+        let mut stopped_by_string = false;
         stop.store(false, Ordering::SeqCst);
         generating.store(true, Ordering::SeqCst);
         let opts = GenerateOptions { max_tokens: a.max_tokens, sampling };
@@ -147,17 +118,23 @@ pub fn chat(a: ChatArgs) -> anyhow::Result<()> {
                 return Ok(Flow::Stop);
             }
             if !tok.is_eos(id) {
-                let piece = stream.push(id)?;
-                out.write_all(piece.as_bytes())?;
+                let (text, at_stop) = stops.push(&stream.push(id)?);
+                out.write_all(text.as_bytes())?;
                 out.flush()?;
-                answer += &piece;
+                answer += &text;
+                stopped_by_string = at_stop;
             }
-            Ok(Flow::Continue)
+            Ok(if stopped_by_string { Flow::Stop } else { Flow::Continue })
         });
         generating.store(false, Ordering::SeqCst);
+        if !stopped_by_string {
+            let rest = stops.finish();
+            out.write_all(rest.as_bytes())?;
+            answer += &rest;
+        }
         writeln!(out)?;
         let stats = result?;
-        if stats.stop == thin::Stop::Cancelled {
+        if stats.stop == thin::Stop::Cancelled && !stopped_by_string {
             eprintln!("[stopped]");
         }
         history.push(ChatMessage { role: "assistant".into(), content: answer });

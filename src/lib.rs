@@ -54,7 +54,28 @@ pub enum Error {
     Callback(BoxError),
     #[error("{0}")]
     Unsupported(&'static str),
+    #[error(
+        "a context of {ctx} positions is more than the CPU engine for {arch} holds: its KV cache has {max_seq} (min(4096, the model's {model_max})); give --ctx {max_seq} or less, or use --backend cuda"
+    )]
+    CtxAboveEngine { ctx: usize, arch: &'static str, max_seq: usize, model_max: u64 },
 }
+
+/// The positions a compiled CPU engine's KV cache holds: thin-codegen sizes it
+/// `min(4096, max_position_embeddings)` (`MAX_SEQ` in each generated module).
+pub fn cpu_max_seq(arch: &thin_core::arch::ArchConfig) -> usize {
+    arch.max_position_embeddings.clamp(1, CPU_MAX_SEQ_CAP as u64) as usize
+}
+
+/// The most positions codegen gives a CPU engine's KV cache.
+pub const CPU_MAX_SEQ_CAP: usize = 4096;
+
+/// The architectures whose CPU engines are compiled into this build (`--features <arch>`).
+pub fn compiled_engines() -> Vec<&'static str> {
+    thin_generated::CPU_ENGINES.iter().map(|e| e.arch).collect()
+}
+
+/// Whether this build carries the CUDA backend (`--features cuda`).
+pub const CUDA_COMPILED: bool = cfg!(feature = "cuda");
 
 /// Where the engine runs. `Auto` takes CUDA in a `--features cuda` build when a GPU and driver
 /// answer, else says why once and uses the CPU. (Also the CLI's `--backend`.)
@@ -114,6 +135,39 @@ pub trait LoadedEngine: Engine + Send {
 }
 
 impl LoadedEngine for Box<dyn Engine + Send> {}
+
+/// A CPU engine held to fewer positions than its KV cache has (`--ctx` below `MAX_SEQ`): past
+/// `ctx` it is full, as the engine itself is at its own end.
+struct CtxLimit {
+    inner: Box<dyn Engine + Send>,
+    pos: usize,
+    ctx: usize,
+}
+
+impl Engine for CtxLimit {
+    fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
+        if self.pos + tokens.len() > self.ctx {
+            return Err(EngineError::ContextFull { pos: self.pos + tokens.len(), max_seq: self.ctx });
+        }
+        let logits = self.inner.prefill(tokens)?;
+        self.pos += tokens.len();
+        Ok(logits)
+    }
+    fn decode_step(&mut self, token: u32) -> Result<&[f32], EngineError> {
+        if self.pos >= self.ctx {
+            return Err(EngineError::ContextFull { pos: self.pos, max_seq: self.ctx });
+        }
+        let logits = self.inner.decode_step(token)?;
+        self.pos += 1;
+        Ok(logits)
+    }
+    fn reset(&mut self) {
+        self.inner.reset();
+        self.pos = 0;
+    }
+}
+
+impl LoadedEngine for CtxLimit {}
 
 #[cfg(feature = "cuda")]
 impl LoadedEngine for thin_core::cuda::runtime::CudaEngine {
@@ -181,7 +235,14 @@ pub fn open(path: &Path, opts: &Options) -> Result<Session, Error> {
     let arch = thin_generated::arch_name(&m.shape_fingerprint).unwrap_or("?");
     let ctx = opts.ctx.unwrap_or(4096).min(m.arch.max_position_embeddings.max(1) as usize);
     let cuda = CudaOptions { ctx, progress: opts.progress, timeline: opts.timeline };
-    let cpu = |a: Arc<Archive>| -> Result<Box<dyn LoadedEngine>, Error> { Ok(Box::new(thin_generated::open_cpu(a)?)) };
+    let cpu = |a: Arc<Archive>| -> Result<Box<dyn LoadedEngine>, Error> {
+        let (max_seq, model_max) = (cpu_max_seq(&a.manifest().arch), a.manifest().arch.max_position_embeddings);
+        let engine = thin_generated::open_cpu(a)?;
+        if ctx > max_seq {
+            return Err(Error::CtxAboveEngine { ctx, arch, max_seq, model_max });
+        }
+        Ok(if ctx < max_seq { Box::new(CtxLimit { inner: engine, pos: 0, ctx }) } else { Box::new(engine) })
+    };
     let (engine, backend) = match opts.backend {
         Backend::Cpu => (cpu(archive.clone())?, "cpu"),
         Backend::Cuda => (open_cuda(&archive, &cuda)?, "cuda"),
@@ -288,6 +349,8 @@ pub fn generate(
         return Err(Error::EmptyPrompt);
     }
     let start = Instant::now();
+    // The prompt is part of the repetition penalty's window (as in llama.cpp).
+    prompt.iter().for_each(|&t| sampler.accept(t));
     let mut id = match engine.prefill(prompt) {
         Ok(logits) => sampler.sample(logits),
         Err(source) => return Err(Error::Step { what: "prefill of the prompt", pos: 0, source }),
@@ -300,6 +363,7 @@ pub fn generate(
             break Stop::MaxTokens;
         }
         generated += 1;
+        sampler.accept(id);
         if on_token(id).map_err(Error::Callback)? == Flow::Stop {
             break Stop::Cancelled;
         }
@@ -390,8 +454,8 @@ impl Session {
     }
 
     /// Positions a prompt and its answer may take together: `Options::ctx` (4096 when not given)
-    /// capped at the model's maximum. The CPU engines hold min(4096, model maximum) positions
-    /// themselves (a larger `ctx` there still ends at the engine's own).
+    /// capped at the model's maximum. A CPU engine holds [`cpu_max_seq`] positions: a larger
+    /// `ctx` is refused at open, a smaller one ends generation there.
     pub fn ctx(&self) -> usize {
         self.ctx
     }
@@ -404,11 +468,19 @@ impl Session {
     /// `text` as prompt ids; with `chat`, inside the archive's chat template as one user message
     /// with the generation prompt on.
     pub fn prompt(&self, text: &str, chat: bool) -> Result<Vec<u32>, Error> {
-        let ids = if chat {
-            self.tokenizer.encode(&self.tokenizer.render_chat(&[ChatMessage { role: "user".into(), content: text.into() }])?)?
-        } else {
-            self.tokenizer.encode(text)?
-        };
+        if chat {
+            return self.chat_prompt(&[ChatMessage { role: "user".into(), content: text.into() }]);
+        }
+        let ids = self.tokenizer.encode(text)?;
+        if ids.is_empty() {
+            return Err(Error::EmptyPrompt);
+        }
+        Ok(ids)
+    }
+
+    /// `messages` rendered through the archive's chat template (generation prompt on), as ids.
+    pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, Error> {
+        let ids = self.tokenizer.encode(&self.tokenizer.render_chat(messages)?)?;
         if ids.is_empty() {
             return Err(Error::EmptyPrompt);
         }

@@ -12,7 +12,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use thin_core::convert::{convert, ConvertOptions};
 use thin_core::format::Archive;
 use thin_core::quant::Profile;
@@ -117,6 +117,16 @@ enum Command {
     Serve(serve::ServeArgs),
     /// An interactive chat in the terminal (the archive's chat template over the conversation).
     Chat(chat::ChatArgs),
+    /// The token ids of a text and the piece each stands for (like llama-tokenize).
+    Tokenize(run::TokenizeArgs),
+}
+
+/// `thin --version`: the version, the engines compiled into this build and whether CUDA is.
+fn version() -> String {
+    let engines = thin::compiled_engines();
+    let engines = if engines.is_empty() { "none (build with --features <arch>)".to_string() } else { engines.join(", ") };
+    let cuda = if thin::CUDA_COMPILED { "compiled in" } else { "not compiled in (build with --features cuda)" };
+    format!("{}\nengines: {engines}\ncuda: {cuda}", env!("CARGO_PKG_VERSION"))
 }
 
 /// Exit status of a panic: EX_SOFTWARE (an internal error), never Rust's 101.
@@ -151,7 +161,10 @@ fn install_panic_hook() {
 
 fn main() -> ExitCode {
     install_panic_hook();
-    match dispatch(Cli::parse()) {
+    // clap takes a 'static version string; this one is made once per process.
+    let cli = Cli::command().version(&*Box::leak(version().into_boxed_str()));
+    let cli = Cli::from_arg_matches(&cli.get_matches()).unwrap_or_else(|e| e.exit());
+    match dispatch(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -166,6 +179,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Eval(args) => eval::eval(args),
         Command::Serve(args) => serve::serve(args),
         Command::Chat(args) => chat::chat(args),
+        Command::Tokenize(args) => run::tokenize(args),
         Command::Convert { src, out, profile, allow_requantize, quiet } => {
             // An interrupted convert removes its temporary file (the final name is only ever a
             // whole archive: it is renamed into place at the end).

@@ -1,13 +1,16 @@
 //! `thin run`: open an archive with the compiled-in engine that fits it (the library's
 //! `thin::open`) and generate text, streamed as it is decoded, with prompt and generation speed
-//! reported separately.
+//! reported separately; and the run control it shares with `chat` (and `thin tokenize`).
 
-use std::io::Write;
-use std::path::PathBuf;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
-use thin_core::sampler::SamplerConfig;
+use thin::{Session, StopStrings};
+use thin_core::format::Archive;
+use thin_core::sampler::{SamplerConfig, DEFAULT_REPEAT_LAST_N};
+use thin_core::tokenizer::{ChatMessage, TextTokenizer};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum OutputFormat {
@@ -17,22 +20,24 @@ pub enum OutputFormat {
     Jsonl,
 }
 
-#[derive(Args, Debug)]
-pub struct RunArgs {
-    /// A .thin archive (made by `thin convert`).
-    pub model: PathBuf,
-    /// The prompt text.
-    #[arg(long, required_unless_present = "prompt_ids")]
-    pub prompt: Option<String>,
-    /// The prompt as token ids (comma separated) instead of text: no tokenizer, no chat template.
-    #[arg(long, value_delimiter = ',', conflicts_with_all = ["prompt", "chat"])]
-    pub prompt_ids: Option<Vec<u32>>,
-    /// Render the archive's chat template around the prompt (one user message, generation prompt on).
+/// What `run`, `chat` (and the server's defaults) share, as llama-cli spells it: where the
+/// engine runs, how much context it holds, a system message, stop strings, and how each token is
+/// chosen.
+#[derive(Args, Debug, Clone)]
+pub struct RunControl {
+    #[arg(long, value_enum, default_value = "auto")]
+    pub backend: thin::Backend,
+    /// Positions a prompt and its answer may take together (default 4096, at most the model's
+    /// maximum; a CPU engine holds at most min(4096, the model's maximum)).
+    #[arg(long, value_parser = ctx)]
+    pub ctx: Option<usize>,
+    /// A system message before the user's (`run` needs --chat; `chat` keeps it when old turns are
+    /// dropped).
     #[arg(long)]
-    pub chat: bool,
-    /// Most tokens to generate (EOS stops earlier).
-    #[arg(long, default_value_t = 256)]
-    pub max_tokens: usize,
+    pub system: Option<String>,
+    /// Stop before this text (not printed); repeat for several.
+    #[arg(long = "stop", value_name = "STR")]
+    pub stop: Vec<String>,
     /// 0 is greedy (argmax).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, value_parser = temperature)]
     pub temperature: f32,
@@ -42,17 +47,24 @@ pub struct RunArgs {
     /// Nucleus sampling: the smallest set of tokens whose probability reaches p; 1 means no cut.
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = top_p)]
     pub top_p: f32,
+    /// Keep only tokens at least this likely relative to the most likely one (after
+    /// temperature); 0 means no cut.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, value_parser = min_p)]
+    pub min_p: f32,
+    /// Divide the positive logits and multiply the negative ones of tokens seen in the last
+    /// --repeat-last-n (prompt included), greedy too; 1 is off.
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = repeat_penalty)]
+    pub repeat_penalty: f32,
+    /// How many of the latest tokens the repetition penalty looks at; 0 is off.
+    #[arg(long, default_value_t = DEFAULT_REPEAT_LAST_N, allow_negative_numbers = true, value_parser = repeat_last_n)]
+    pub repeat_last_n: usize,
     /// Seed of the sampler's RNG: the same seed gives the same tokens.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    #[arg(long, value_enum, default_value = "auto")]
-    pub backend: thin::Backend,
-    #[arg(long, value_enum, default_value = "text")]
-    pub format: OutputFormat,
 }
 
-// Sampling flags are checked as clap parses them (negative numbers reach these parsers instead
-// of clap's advice to write `-- -1`), so a bad value is named with its range.
+// Flags are checked as clap parses them (negative numbers reach these parsers instead of clap's
+// advice to write `-- -1`), so a bad value is named with its range.
 
 fn temperature(s: &str) -> Result<f32, String> {
     match s.parse::<f32>() {
@@ -72,17 +84,132 @@ fn top_k(s: &str) -> Result<usize, String> {
     s.parse::<usize>().map_err(|_| format!("{s:?} is not a whole number >= 0 (0: no cut)"))
 }
 
-pub fn run(a: RunArgs) -> anyhow::Result<()> {
-    let sampling = SamplerConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed };
-    if a.prompt.as_deref() == Some("") {
-        bail!("--prompt is empty");
+fn min_p(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
+        _ => Err(format!("{s:?} is not in [0, 1] (0: no cut)")),
     }
-    let mut session = thin::open(&a.model, &thin::Options { backend: a.backend, progress: true, ..Default::default() })
-        .with_context(|| format!("no engine for {}", a.model.display()))?;
-    let prompt_ids = match (&a.prompt_ids, &a.prompt) {
+}
+
+fn repeat_penalty(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(p) if p.is_finite() && p > 0.0 => Ok(p),
+        _ => Err(format!("{s:?} is not a finite number > 0 (1: off)")),
+    }
+}
+
+fn repeat_last_n(s: &str) -> Result<usize, String> {
+    s.parse::<usize>().map_err(|_| format!("{s:?} is not a whole number >= 0 (0: off)"))
+}
+
+fn ctx(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("{s:?} is not a whole number >= 1")),
+    }
+}
+
+impl RunControl {
+    pub fn sampling(&self) -> SamplerConfig {
+        SamplerConfig {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: self.repeat_last_n,
+            seed: self.seed,
+        }
+    }
+
+    /// The session for `model` on `--backend` with `--ctx`; a context above the model's own
+    /// maximum is refused here (the library caps it, which a user asking for more should hear).
+    pub fn open(&self, model: &Path) -> anyhow::Result<Session> {
+        if let Some(ctx) = self.ctx {
+            let a = Archive::open(model).with_context(|| format!("opening {}", model.display()))?;
+            let max = a.manifest().arch.max_position_embeddings;
+            if ctx as u64 > max {
+                bail!("--ctx {ctx} is more than the model's maximum of {max} positions ({})", model.display());
+            }
+        }
+        thin::open(model, &thin::Options { backend: self.backend, ctx: self.ctx, progress: true, ..Default::default() })
+            .with_context(|| format!("no engine for {}", model.display()))
+    }
+
+    /// `--system` as the conversation's first message.
+    pub fn system_message(&self) -> Option<ChatMessage> {
+        self.system.as_ref().map(|s| ChatMessage { role: "system".into(), content: s.clone() })
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// A .thin archive (made by `thin convert`).
+    pub model: PathBuf,
+    /// The prompt text.
+    #[arg(long, required_unless_present_any = ["prompt_ids", "file"])]
+    pub prompt: Option<String>,
+    /// Read the prompt text from a file (`-`: standard input); one trailing newline is dropped.
+    #[arg(short = 'f', long, value_name = "PATH", conflicts_with = "prompt")]
+    pub file: Option<PathBuf>,
+    /// The prompt as token ids (comma separated) instead of text: no tokenizer, no chat template.
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["prompt", "file", "chat", "system"])]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// Render the archive's chat template around the prompt (one user message, after --system if
+    /// given; generation prompt on).
+    #[arg(long)]
+    pub chat: bool,
+    /// Most tokens to generate (EOS stops earlier).
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    #[command(flatten)]
+    pub control: RunControl,
+    #[arg(long, value_enum, default_value = "text")]
+    pub format: OutputFormat,
+}
+
+/// Prompt text from `--file PATH` (`-`: standard input), one trailing newline dropped as
+/// llama-cli's `-f` does.
+pub fn read_prompt_file(path: &Path) -> anyhow::Result<String> {
+    let mut text = if path.as_os_str() == "-" {
+        let mut s = String::new();
+        std::io::stdin().read_to_string(&mut s).context("reading the prompt from standard input")?;
+        s
+    } else {
+        std::fs::read_to_string(path).with_context(|| format!("reading the prompt from {}", path.display()))?
+    };
+    if text.ends_with('\n') {
+        text.pop();
+        if text.ends_with('\r') {
+            text.pop();
+        }
+    }
+    Ok(text)
+}
+
+pub fn run(a: RunArgs) -> anyhow::Result<()> {
+    let control = &a.control;
+    if control.system.is_some() && !a.chat {
+        bail!("--system is a chat message: add --chat (the archive's chat template places it)");
+    }
+    let text = match (&a.prompt, &a.file) {
+        (Some(text), _) => Some(text.clone()),
+        (None, Some(path)) => Some(read_prompt_file(path)?),
+        (None, None) => None,
+    };
+    if text.as_deref() == Some("") {
+        bail!("{} is empty", if a.file.is_some() { "the prompt file" } else { "--prompt" });
+    }
+    let mut session = control.open(&a.model)?;
+    let prompt_ids = match (&a.prompt_ids, text) {
         (Some(ids), _) => ids.clone(),
-        (None, Some(text)) => session.prompt(text, a.chat).context("encoding the prompt")?,
-        (None, None) => bail!("give --prompt TEXT or --prompt-ids IDS"),
+        (None, Some(text)) if a.chat => {
+            let user = ChatMessage { role: "user".into(), content: text };
+            let messages: Vec<ChatMessage> = control.system_message().into_iter().chain([user]).collect();
+            session.chat_prompt(&messages).context("encoding the prompt")?
+        }
+        (None, Some(text)) => session.prompt(&text, false).context("encoding the prompt")?,
+        (None, None) => bail!("give --prompt TEXT, --file PATH or --prompt-ids IDS"),
     };
     if prompt_ids.is_empty() {
         bail!("the prompt encodes to no tokens");
@@ -99,18 +226,27 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     } else {
         eprintln!("{arch} on {backend} ({threads} threads), {} prompt tokens", prompt_ids.len());
     }
-    let opts = thin::GenerateOptions { max_tokens: a.max_tokens, sampling };
+    let opts = thin::GenerateOptions { max_tokens: a.max_tokens, sampling: control.sampling() };
+    let mut stops = StopStrings::new(&control.stop);
+    let mut stopped_by_string = false;
     let stats = session.generate(&prompt_ids, &opts, |id| {
         // EOS ends the text: it is reported (jsonl) but not printed.
-        let text = if tok.is_eos(id) { String::new() } else { stream.push(id)? };
+        let piece = if tok.is_eos(id) { String::new() } else { stream.push(id)? };
+        // jsonl lists each token's own text; the text output ends before a stop string.
+        let (text, stop) = stops.push(&piece);
         if jsonl {
-            writeln!(out, "{}", serde_json::json!({ "id": id, "text": text }))?;
+            writeln!(out, "{}", serde_json::json!({ "id": id, "text": piece }))?;
         } else {
             out.write_all(text.as_bytes())?;
         }
         out.flush()?;
-        Ok(thin::Flow::Continue)
+        stopped_by_string = stop;
+        Ok(if stop { thin::Flow::Stop } else { thin::Flow::Continue })
     })?;
+    if !jsonl && !stopped_by_string {
+        out.write_all(stops.finish().as_bytes())?;
+    }
+    let stop = if stopped_by_string { "stop_string" } else { stats.stop.name() };
     if jsonl {
         let j = serde_json::json!({
             "prompt_tokens": stats.prompt_tokens,
@@ -120,7 +256,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             "gen_s": stats.gen_s,
             "prompt_tok_s": stats.prompt_tok_s(),
             "gen_tok_s": stats.gen_tok_s(),
-            "stop": stats.stop.name(),
+            "stop": stop,
             "arch": arch,
             "backend": backend,
             "threads": threads,
@@ -137,9 +273,48 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             stats.decode_steps,
             stats.gen_s,
             stats.gen_tok_s(),
-            stats.stop.name()
+            stop
         );
     }
     out.flush()?;
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct TokenizeArgs {
+    /// A .thin archive (its tokenizer is used; no engine is needed).
+    pub model: PathBuf,
+    /// The text to tokenize.
+    #[arg(required_unless_present = "file")]
+    pub text: Option<String>,
+    /// Read the text from a file (`-`: standard input); one trailing newline is dropped.
+    #[arg(short = 'f', long, value_name = "PATH", conflicts_with = "text")]
+    pub file: Option<PathBuf>,
+    /// Only the ids, as one list `[1, 2, 3]`.
+    #[arg(long)]
+    pub ids_only: bool,
+}
+
+/// `thin tokenize`: the ids of a text and the piece each stands for, one `id -> 'piece'` a line,
+/// as llama.cpp's llama-tokenize prints them (BOS included when the archive adds it).
+pub fn tokenize(a: TokenizeArgs) -> anyhow::Result<()> {
+    let text = match (a.text, &a.file) {
+        (Some(t), _) => t,
+        (None, Some(path)) => read_prompt_file(path)?,
+        (None, None) => bail!("give TEXT or --file PATH"),
+    };
+    let archive = Archive::open(&a.model).with_context(|| format!("opening {}", a.model.display()))?;
+    let tok = TextTokenizer::from_info(&archive.manifest().tokenizer).context("loading the archive's tokenizer")?;
+    let ids = tok.encode(&text).context("encoding the text")?;
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    if a.ids_only {
+        let list: Vec<String> = ids.iter().map(u32::to_string).collect();
+        writeln!(out, "[{}]", list.join(", "))?;
+        return Ok(());
+    }
+    for &id in &ids {
+        writeln!(out, "{id:>6} -> '{}'", tok.decode(&[id]).context("decoding a token")?)?;
+    }
     Ok(())
 }

@@ -83,6 +83,9 @@ pub struct CompletionRequest {
 pub const DEFAULT_TEMPERATURE: f32 = 0.8;
 pub const DEFAULT_TOP_K: usize = 40;
 pub const DEFAULT_TOP_P: f32 = 0.95;
+/// `min_p` and `repeat_penalty` are off unless a request asks (llama-server's names and ranges).
+pub const DEFAULT_MIN_P: f32 = 0.0;
+pub const DEFAULT_REPEAT_PENALTY: f32 = 1.0;
 /// Most stop strings a request may give (OpenAI allows 4).
 pub const MAX_STOP_STRINGS: usize = 16;
 
@@ -152,6 +155,14 @@ pub fn parse_request(body: &[u8], endpoint: Endpoint, model: &str, seed: u64) ->
         Some(k) => usize::try_from(k).unwrap_or(usize::MAX),
         None => DEFAULT_TOP_K,
     };
+    let min_p = f.num("min_p")?.unwrap_or(DEFAULT_MIN_P as f64);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(ApiError::invalid("min_p", format!("min_p is {min_p}; it must be in [0, 1] (0: no cut)")));
+    }
+    let repeat_penalty = f.num("repeat_penalty")?.unwrap_or(DEFAULT_REPEAT_PENALTY as f64);
+    if !(repeat_penalty.is_finite() && repeat_penalty > 0.0) {
+        return Err(ApiError::invalid("repeat_penalty", format!("repeat_penalty is {repeat_penalty}; it must be a number > 0 (1: off)")));
+    }
     // OpenAI's seed is a signed 64-bit integer; its bits seed the RNG.
     let seed = f.int("seed")?.map_or(seed, |s| s as u64);
     let stop = stop_strings(o.get("stop"))?;
@@ -161,7 +172,15 @@ pub fn parse_request(body: &[u8], endpoint: Endpoint, model: &str, seed: u64) ->
         Some(Value::Object(so)) => Fields(so).bool("include_usage").map_err(|e| ApiError { param: Some("stream_options.include_usage".into()), ..e })?.unwrap_or(false),
         Some(other) => return Err(ApiError::invalid("stream_options", format!("stream_options must be an object, not {}", type_name(other)))),
     };
-    let sampling = SamplerConfig { temperature: temperature as f32, top_k, top_p: top_p as f32, seed };
+    let sampling = SamplerConfig {
+        temperature: temperature as f32,
+        top_k,
+        top_p: top_p as f32,
+        min_p: min_p as f32,
+        repeat_penalty: repeat_penalty as f32,
+        seed,
+        ..SamplerConfig::default()
+    };
     Ok(CompletionRequest { input, max_tokens, sampling, stop, stream, include_usage })
 }
 
@@ -424,14 +443,17 @@ mod tests {
     fn a_full_chat_request_reads_every_field() {
         let r = chat(
             r#"{"model":"m","messages":[{"role":"developer","content":"Be brief."},{"role":"user","content":[{"type":"text","text":"Hi "},{"type":"text","text":"there"}]}],
-               "max_tokens":7,"temperature":0,"top_p":0.5,"top_k":3,"seed":-1,"stop":["\n","END"],"stream":true,"stream_options":{"include_usage":true},"n":1,"user":"x"}"#,
+               "max_tokens":7,"temperature":0,"top_p":0.5,"top_k":3,"min_p":0.1,"repeat_penalty":1.25,"seed":-1,"stop":["\n","END"],"stream":true,"stream_options":{"include_usage":true},"n":1,"user":"x"}"#,
         )
         .expect("valid");
         let Input::Messages(m) = &r.input else { panic!("{:?}", r.input) };
         let m: Vec<(&str, &str)> = m.iter().map(|m| (m.role.as_str(), m.content.as_str())).collect();
         assert_eq!(m, [("system", "Be brief."), ("user", "Hi there")]);
         assert_eq!(r.max_tokens, Some(7));
-        assert_eq!(r.sampling, SamplerConfig { temperature: 0.0, top_k: 3, top_p: 0.5, seed: u64::MAX });
+        assert_eq!(
+            r.sampling,
+            SamplerConfig { temperature: 0.0, top_k: 3, top_p: 0.5, min_p: 0.1, repeat_penalty: 1.25, repeat_last_n: 64, seed: u64::MAX }
+        );
         assert_eq!(r.stop, ["\n", "END"]);
         assert!(r.stream && r.include_usage);
     }
@@ -440,7 +462,10 @@ mod tests {
     fn defaults_apply_to_absent_and_null_fields() {
         let r = chat(r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":null,"temperature":null,"stop":"END"}"#).expect("valid");
         assert_eq!(r.max_tokens, None);
-        assert_eq!(r.sampling, SamplerConfig { temperature: DEFAULT_TEMPERATURE, top_k: DEFAULT_TOP_K, top_p: DEFAULT_TOP_P, seed: 99 });
+        assert_eq!(
+            r.sampling,
+            SamplerConfig { temperature: DEFAULT_TEMPERATURE, top_k: DEFAULT_TOP_K, top_p: DEFAULT_TOP_P, min_p: 0.0, repeat_penalty: 1.0, repeat_last_n: 64, seed: 99 }
+        );
         assert_eq!(r.stop, ["END"]);
         assert!(!r.stream && !r.include_usage);
         let r = chat(r#"{"messages":[{"role":"user","content":"x"}],"max_completion_tokens":3.0}"#).expect("valid");
@@ -493,6 +518,10 @@ mod tests {
             (r#"{"messages":[{"role":"user","content":"x"}],"temperature":"hot"}"#, 400, "temperature", "a number, not a string"),
             (r#"{"messages":[{"role":"user","content":"x"}],"top_p":1.5}"#, 400, "top_p", "[0, 1]"),
             (r#"{"messages":[{"role":"user","content":"x"}],"top_k":-3}"#, 400, "top_k", ">= 0"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"min_p":1.5}"#, 400, "min_p", "[0, 1]"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"min_p":"a"}"#, 400, "min_p", "a number, not a string"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"repeat_penalty":0}"#, 400, "repeat_penalty", "> 0"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"repeat_penalty":-1.1}"#, 400, "repeat_penalty", "> 0"),
             (r#"{"messages":[{"role":"user","content":"x"}],"seed":"s"}"#, 400, "seed", "an integer"),
             (r#"{"messages":[{"role":"user","content":"x"}],"stop":5}"#, 400, "stop", "a string or an array of strings"),
             (r#"{"messages":[{"role":"user","content":"x"}],"stop":["a",1]}"#, 400, "stop", "hold strings"),
