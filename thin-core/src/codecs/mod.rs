@@ -12,25 +12,31 @@
 //! Layouts are a contract with the GPU kernels, which read the same bytes; each module's doc spells
 //! its layout out. Matrices are row-major `[rows, cols]` (rows = output features).
 //!
-//! Summation order of every dot (so the SIMD and the portable builds give the same bits): products
-//! of element `i` of each 32-element block go into lane `i % 8` (FP8: lane `i % 32` of each
-//! 32-element chunk, with no block scale); within a block a lane adds its four products left to
-//! right, the block's lane sums are multiplied by the block scale and added to the row's lanes;
-//! after the last block the lanes are reduced pairwise (halves added: 16 + 16, 8 + 8, 4 + 4, ...),
-//! the FP8 tail (`cols % 32` elements, added in order) is added, then the row scale/postscale
-//! multiplies once. Products are a multiply then an add (no fused multiply-add). The AVX2 kernels
-//! (explicit intrinsics, picked at run time) keep this order, so they give the portable loops'
-//! bits; MXFP4's multiplies doubled e2m1 values by half the block scale, which is the same product
-//! unless a product is subnormal.
+//! Summation order of every dot (so the portable loops and the AVX2 and AVX-512 kernels, picked
+//! at run time by [`Isa`], give the same bits): the block formats have 16 lanes, and lane `l` of a
+//! 32-element block takes the two elements one byte `l` (or, for Q8_0, the two positions `l` and
+//! `l + 16`) holds: Q8_0 `l` and `l + 16`, Q4_1 the low nibble `l` and the high nibble `l + 16`,
+//! MXFP4 the low nibble `2l` and the high nibble `2l + 1`. A lane's two products are added, the
+//! sum multiplied by the block scale (Q4_1: `t * d + (x_a + x_b) * m`) and added to the row's
+//! lane. FP8 has no blocks: its values / 256 (the f16 its bits form, exact) times `x` go into lane
+//! `i % 32` of each 32-element chunk. After the last block the lanes are reduced pairwise (halves
+//! added: 16 + 16, 8 + 8, 4 + 4, ...), the FP8 tail (`cols % 32` elements, added in order) is
+//! added and the FP8 sum multiplied by 256, then the row scale/postscale multiplies once. Products
+//! are a multiply then an add (no fused multiply-add). Decoding is exact in every kernel.
 //!
 //! Bad data is found without a cost in the hot loop: a NaN code or scale makes the row's dot NaN
 //! (or infinite), and only then is the row scanned to name the culprit as a [`CodecError`]. A
 //! non-finite result with clean weights comes from `x` and is returned as it is.
 
 pub mod fp8;
+pub mod isa;
 pub mod mxfp4;
 pub mod q4_1;
 pub mod q8_0;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86;
+
+pub use isa::Isa;
 
 /// Errors of every codec (also what [`crate::codec::decode_to_f32`] returns).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -123,8 +129,8 @@ pub(crate) fn elems(dtype: &'static str, rows: usize, cols: usize) -> Result<usi
 /// Elements per block of the block formats (MXFP4, Q8_0, Q4_1) and per lane chunk of FP8.
 pub(crate) const BLOCK: usize = 32;
 
-/// Lanes of the block formats' dot: element `i` of a block adds into lane `i % 8`.
-pub(crate) const LANES: usize = 8;
+/// Lanes of the block formats' dot (half a block: each lane takes two elements of a block).
+pub(crate) const LANES: usize = 16;
 
 /// Adds the halves of `acc` until one value remains (16 + 16, 8 + 8, ...).
 #[inline(always)]
@@ -137,25 +143,6 @@ pub(crate) fn reduce<const N: usize>(mut acc: [f32; N]) -> f32 {
         }
     }
     acc[0]
-}
-
-/// Whether the explicit AVX2 kernels can run (they use F16C too, which every AVX2 CPU has).
-#[cfg(target_arch = "x86_64")]
-#[inline]
-pub(crate) fn has_avx2() -> bool {
-    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c")
-}
-
-/// The lanes of eight-wide accumulators as an array, for [`reduce`].
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx")]
-pub(crate) fn store_lanes<const N: usize>(regs: &[std::arch::x86_64::__m256]) -> [f32; N] {
-    let mut acc = [0.0f32; N];
-    for (chunk, &r) in acc.chunks_exact_mut(8).zip(regs) {
-        // SAFETY: `chunk` holds 8 f32, the unaligned store writes 8.
-        unsafe { std::arch::x86_64::_mm256_storeu_ps(chunk.as_mut_ptr(), r) };
-    }
-    acc
 }
 
 /// Reads a little-endian f16 at `b[at..at + 2]` as f32.

@@ -1,0 +1,82 @@
+//! Which instruction set the CPU matvec kernels run on, picked once per process.
+//!
+//! Every kernel has a portable loop and, on x86-64, AVX2 and AVX-512 versions; all of them sum in
+//! the same order, so they give the same bits and the choice is only about speed. The best level
+//! the CPU has is used, unless `THIN_CPU_ISA` (`portable`, `avx2` or `avx512`) asks for a lower one
+//! (to test or time the fallbacks on a machine that has more; a higher one than the CPU has is
+//! ignored).
+
+use std::sync::OnceLock;
+
+/// A kernel level, in increasing order of what it needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Isa {
+    /// Plain Rust, any CPU.
+    Portable,
+    /// AVX2 and F16C (and FMA, which every AVX2 CPU has; the kernels multiply then add).
+    Avx2,
+    /// AVX-512 F, BW and VL, on top of AVX2.
+    Avx512,
+}
+
+impl Isa {
+    /// The name `THIN_CPU_ISA` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+
+    /// The highest level this CPU runs.
+    pub fn detected() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx2") && has!("f16c") && has!("fma") {
+                if has!("avx512f") && has!("avx512bw") && has!("avx512vl") {
+                    return Isa::Avx512;
+                }
+                return Isa::Avx2;
+            }
+        }
+        Isa::Portable
+    }
+
+    /// Every level this CPU runs, lowest first (the tests compare them all).
+    pub fn supported() -> Vec<Isa> {
+        [Isa::Portable, Isa::Avx2, Isa::Avx512].into_iter().filter(|&i| i <= Isa::detected()).collect()
+    }
+
+    /// The level the kernels use: the detected one, or the lower one `THIN_CPU_ISA` names.
+    pub fn best() -> Isa {
+        static BEST: OnceLock<Isa> = OnceLock::new();
+        *BEST.get_or_init(|| {
+            let detected = Isa::detected();
+            let asked = std::env::var("THIN_CPU_ISA").ok().and_then(|v| [Isa::Portable, Isa::Avx2, Isa::Avx512].into_iter().find(|i| i.name() == v));
+            asked.map_or(detected, |a| a.min(detected))
+        })
+    }
+
+    /// `self` if this CPU runs it, else the detected level (so a caller can never run an
+    /// instruction the CPU lacks).
+    pub(crate) fn clamp(self) -> Isa {
+        self.min(Isa::detected())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_are_ordered_and_clamped() {
+        assert!(Isa::Portable < Isa::Avx2 && Isa::Avx2 < Isa::Avx512);
+        assert_eq!(Isa::Portable.clamp(), Isa::Portable);
+        assert!(Isa::Avx512.clamp() <= Isa::detected());
+        assert!(Isa::best() <= Isa::detected());
+        assert_eq!(Isa::supported()[0], Isa::Portable);
+        assert_eq!(*Isa::supported().last().unwrap(), Isa::detected());
+    }
+}
