@@ -39,8 +39,14 @@ fn profile(name: &str) -> Profile {
     }
 }
 
-/// A venv with numpy (made once, kept under target/).
+/// A venv with numpy (made once, kept under target/; the tests run in parallel threads, so the
+/// first one makes it and the others wait for it).
 fn numpy_python() -> PathBuf {
+    static PYTHON: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PYTHON.get_or_init(make_numpy_venv).clone()
+}
+
+fn make_numpy_venv() -> PathBuf {
     const NUMPY: &str = "numpy==2.4.6";
     let venv = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("numpy-venv");
     let python = venv.join("bin/python");
