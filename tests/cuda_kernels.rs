@@ -185,6 +185,11 @@ fn reads(a: &CudaArch, role: Role) -> bool {
     a.schedule.weights().iter().any(|w| w.0 == role)
 }
 
+/// Whether the arch normalises the whole Q and K projections (a kernel of its own) rather than per head.
+fn whole_qk_norm(a: &CudaArch) -> bool {
+    a.schedule.decode.iter().any(|l| l.kernel == "qk_norm_whole")
+}
+
 /// Every kernel the module source defines (`extern "C" __global__ void [attributes] name(`).
 fn defined_kernels(src: &str) -> Vec<String> {
     let mut out = Vec::new();
@@ -228,7 +233,9 @@ impl RandomWeights {
             (Role::FfnDown, h, (a.dims.intermediate_size as usize)),
         ];
         if reads(a, Role::AttnQNorm) {
-            per_layer.extend([(Role::AttnQNorm, 1, (a.dims.head_dim as usize)), (Role::AttnKNorm, 1, (a.dims.head_dim as usize))]);
+            // Per head (one head's width) or over the whole projection (the qk_norm_whole kernel).
+            let (qn, kn) = if whole_qk_norm(a) { (q, kv) } else { ((a.dims.head_dim as usize), (a.dims.head_dim as usize)) };
+            per_layer.extend([(Role::AttnQNorm, 1, qn), (Role::AttnKNorm, 1, kn)]);
         }
         if reads(a, Role::AttnPostNorm) {
             per_layer.extend([(Role::AttnPostNorm, 1, h), (Role::FfnPostNorm, 1, h)]);
@@ -724,7 +731,7 @@ impl<'a> T<'a> {
 
     /// q and k of one token as the kernels leave them: QK-norm (if any), then RoPE at `pos` (if the layer has it).
     fn qk_prep(&self, l: usize, pos: usize, q: &mut [f32], k: &mut [f32]) {
-        if reads(self.a, Role::AttnQNorm) {
+        if reads(self.a, Role::AttnQNorm) && !whole_qk_norm(self.a) {
             cpu::rms_norm_chunks(q, &self.wt(Role::AttnQNorm, l), self.r.eps);
             cpu::rms_norm_chunks(k, &self.wt(Role::AttnKNorm, l), self.r.eps);
         }
@@ -832,6 +839,27 @@ impl<'a> T<'a> {
         let want: Vec<f32> = (0..rows).flat_map(|r| self.attn_ref(&qkv[r * w..r * w + self.qd], &k, &v, pos + r, window)).map(|x| Self::round_as(x, t)).collect();
         let got = self.get_as(Buf::PAtt, t);
         self.check(&format!("attn_partial+{}", combine.kernel), Some(l), case, &got[..rows * self.qd], &want, Self::tol_as(t));
+    }
+
+    /// qk_norm_whole over `rows` rows of `buf`: q normed over all its values with attn_q_norm, k
+    /// over all of its with attn_k_norm, v and the row after the last untouched.
+    fn qk_norm_whole(&mut self, la: &Launch, rows: usize, l: usize) {
+        let Arg::Buf(buf) = la.args[0] else { panic!("qk_norm_whole: argument 0 is not the qkv rows") };
+        let w = self.qd + 2 * self.kvd;
+        let n = (rows + 1).min(self.e.layout().get(buf).expect("buffer").1 / (4 * w));
+        let qkv = self.rand_qkv(n);
+        self.put(buf, &qkv);
+        self.run(la, rows);
+        let (gq, gk) = (self.wt(Role::AttnQNorm, l), self.wt(Role::AttnKNorm, l));
+        let mut want = qkv;
+        for row in want.chunks_mut(w).take(rows) {
+            let (q, kv) = row.split_at_mut(self.qd);
+            let k = &mut kv[..self.kvd];
+            q.copy_from_slice(&self.rms(q, &gq));
+            k.copy_from_slice(&self.rms(k, &gk));
+        }
+        let got = self.get(buf);
+        self.check("qk_norm_whole", Some(l), format!("{buf:?} rows={rows}"), &got[..n * w], &want, TOL_F32);
     }
 
     fn norm_qkv(&mut self, l: usize, amp: f32) {
@@ -981,6 +1009,12 @@ impl<'a> T<'a> {
             // mean(x^2) ~ 3e-7, the size of eps: an EPS the kernel and the reference disagree on shows.
             self.norm_qkv(l, 1e-3);
         }
+        if whole_qk_norm(self.a) {
+            let la = find(&self.fused, "qk_norm_whole", Some(l));
+            self.qk_norm_whole(&la, 1, l);
+            let la = find(&self.prefill, "qk_norm_whole", Some(l));
+            self.qk_norm_whole(&la, ROWS, l);
+        }
         for pos in POSITIONS {
             self.attn_decode(l, pos, window);
         }
@@ -1110,4 +1144,26 @@ fn gemma3_270m_kernels_match_cpu_reference() {
     let emb_scale_f32 = (m::consts::HIDDEN as f32).sqrt();
     let r = Ref { eps: m::consts::RMS_EPS, emb_scale, emb_scale_f32, attn_scale: 1.0 / (m::consts::HEAD_DIM as f32).sqrt(), act: cpu::geglu };
     run_arch(m::cuda::arch().expect("a CUDA schedule"), r);
+}
+
+/// SmolLM2-135M's description with OLMoE's whole-projection QK-norm instead of none: a dense arch
+/// no shipped model has, so its CUDA module is made here by thin-codegen from the edited text
+/// (the kernel template, the schedule lowering) rather than compiled in. Its qk_norm_whole
+/// kernel, decode and prefill forms, against the CPU op, and every other kernel as for SmolLM2.
+#[cfg(feature = "smollm2-135m")]
+#[test]
+fn whole_qk_norm_kernels_match_cpu_reference() {
+    use thin_generated::smollm2_135m as m;
+    let file = "archs/smollm2-135m.toml";
+    let text = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file)).expect("the description");
+    let text = text.replace("qk_norm = \"none\"", "qk_norm = \"whole\"")
+        + "attn_q_norm = { hf = \"model.layers.{l}.self_attn.q_norm.weight\", gguf = \"blk.{l}.attn_q_norm.weight\" }\n\
+           attn_k_norm = { hf = \"model.layers.{l}.self_attn.k_norm.weight\", gguf = \"blk.{l}.attn_k_norm.weight\" }\n";
+    let (_, plan, _, sources) = thin_codegen::generate_one_with_kernels(file, &text).expect("generates");
+    let d = thin_codegen::parse(file, &text).expect("parses");
+    let schedule = thin_codegen::cuda_schedule(&d, &plan).expect("a CUDA schedule");
+    let kernels: &'static str = Box::leak(sources.into_values().next().expect("a kernel source").into_boxed_str());
+    let a = CudaArch { arch: "smollm2-135m+whole-qk-norm", schedule, kernels, ..m::cuda::arch().expect("a CUDA schedule") };
+    assert!(whole_qk_norm(&a));
+    run_arch(a, llama_ref(m::consts::RMS_EPS, m::consts::HEAD_DIM));
 }

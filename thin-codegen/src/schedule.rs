@@ -42,7 +42,6 @@ impl<'a> Ops<'a> {
     fn refuse(&self) -> Unsupported {
         Unsupported(match &self.ops[self.at] {
             Op::Moe { .. } => "mixture-of-experts layers".into(),
-            Op::QkNorm { dim, total, weight, .. } if dim == total => format!("QK-norm over the whole projection ({weight} over {total} values)"),
             Op::Attention { softcap: Some(c), .. } => format!("attention logit softcapping ({c})"),
             Op::Softcap { cap, .. } => format!("final logit softcapping ({cap})"),
             op => format!("the op {op:?} at this point of the layer"),
@@ -146,7 +145,19 @@ fn lower_layer(lp: &LayerPlan, d: &ShapeDims) -> Result<Out, Unsupported> {
         out.gemm((r, li), Buf::PXn, Buf::PQkv, col, q + 2 * kv, n, h, false);
     }
 
-    // [per-head QK-norm] [RoPE] KV write, attention
+    // [whole-projection QK-norm] [per-head QK-norm] [RoPE] KV write, attention
+    let whole_norm = |buf: &'static str, n: u64| {
+        move |o: &Op| match o {
+            Op::QkNorm { weight, buf: b, dim, total } if b == buf && dim == total && *total == n => Some(role(weight)),
+            _ => None,
+        }
+    };
+    if let Some(wqn) = ops.take(whole_norm("q", d.q_dim())) {
+        let wkn = ops.take(whole_norm("k", d.kv_dim())).ok_or_else(|| ops.refuse())?;
+        let args = |b: Buf| vec![Arg::Buf(b), w(wqn), w(wkn)];
+        out.k("qk_norm_whole", (None, Grid::Fixed(1, 1, 1)), 256, args(Buf::Qkv));
+        out.pk("qk_norm_whole", (None, Grid::Rows), 256, args(Buf::PQkv));
+    }
     let head_norm = |buf: &'static str| {
         move |o: &Op| match o {
             Op::QkNorm { weight, buf: b, dim, total } if b == buf && *dim == d.head_dim && total % dim == 0 => Some(role(weight)),

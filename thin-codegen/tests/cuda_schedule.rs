@@ -49,17 +49,10 @@ fn pre_norm_layers_are_five_kernels_and_sandwich_layers_seven() {
 /// kernel or the schedule is refused naming it, while the CPU engine runs the same plan.
 #[test]
 fn a_feature_the_kernels_lack_is_refused_by_name() {
-    let cases: [(&str, fn(String) -> String, &str); 4] = [
-        (
-            "archs/tiny/llama-tiny.toml",
-            |t| t.replace("qk_norm = \"none\"", "qk_norm = \"whole\"")
-                + "attn_q_norm = { hf = \"model.layers.{l}.self_attn.q_norm.weight\", gguf = \"blk.{l}.attn_q_norm.weight\" }\n\
-                   attn_k_norm = { hf = \"model.layers.{l}.self_attn.k_norm.weight\", gguf = \"blk.{l}.attn_k_norm.weight\" }\n",
-            "QK-norm over the whole projection (attn_q_norm over 64 values)",
-        ),
+    let cases: [(&str, fn(String) -> String, &str); 3] = [
         ("archs/tiny/gemma3-tiny.toml", |t| t.replace("[rope]", "softcap = 50.0\n\n[rope]"), "attention logit softcapping (50)"),
         ("archs/tiny/gemma3-tiny.toml", |t| format!("final_logit_softcap = 30.0\n{t}"), "final logit softcapping (30)"),
-        ("archs/tiny/olmoe-tiny.toml", |t| t.replace("qk_norm = \"whole\"", "qk_norm = \"none\""), "mixture-of-experts layers"),
+        ("archs/tiny/olmoe-tiny.toml", |t| t, "mixture-of-experts layers"),
     ];
     for (file, edit, what) in cases {
         let text = edit(std::fs::read_to_string(root().join(file)).unwrap());
@@ -73,11 +66,40 @@ fn a_feature_the_kernels_lack_is_refused_by_name() {
     }
 }
 
+/// The description text of a dense Llama-family arch with OLMoE's whole-projection QK-norm.
+pub fn with_whole_qk_norm(t: String) -> String {
+    t.replace("qk_norm = \"none\"", "qk_norm = \"whole\"")
+        + "attn_q_norm = { hf = \"model.layers.{l}.self_attn.q_norm.weight\", gguf = \"blk.{l}.attn_q_norm.weight\" }\n\
+           attn_k_norm = { hf = \"model.layers.{l}.self_attn.k_norm.weight\", gguf = \"blk.{l}.attn_k_norm.weight\" }\n"
+}
+
+/// Whole-projection QK-norm (OLMoE's, here on a dense arch) runs on the GPU as its own kernel
+/// between the QKV projection and attention, decode and prefill, over q then k; the attention
+/// kernels then see no per-head norm. (tests/cuda_kernels.rs runs it against the CPU op.)
+#[test]
+fn whole_projection_qk_norm_is_a_kernel_before_attention() {
+    let s = schedule_of("archs/tiny/llama-tiny.toml", with_whole_qk_norm).unwrap();
+    let layer = ["norm_qkv", "qk_norm_whole", "attn_decode", "o_residual", "norm_gateup", "down_residual"];
+    assert_eq!(kernels(&s)[1..7], layer);
+    let norm = s.decode.iter().find(|l| l.kernel == "qk_norm_whole").unwrap();
+    assert_eq!(norm.args, [Arg::Buf(Buf::Qkv), Arg::Weight(Role::AttnQNorm, Some(0)), Arg::Weight(Role::AttnKNorm, Some(0))]);
+    let attn = s.decode.iter().find(|l| l.kernel == "attn_decode").unwrap();
+    assert_eq!((attn.args[1], attn.args[2]), (Arg::Null, Arg::Null), "no per-head norm in attention");
+    // Prefill: after the q/k/v GEMMs, before RoPE and the cache write, over every prompt row.
+    let names: Vec<&str> = s.prefill.iter().map(|st| match st { Step::Kernel(k) => k.kernel, Step::Gemm(_) => "gemm" }).collect();
+    assert_eq!(names[1..7], ["rows_norm", "gemm", "gemm", "gemm", "qk_norm_whole", "qk_rope_kv"]);
+    let Step::Kernel(p) = &s.prefill[5] else { unreachable!() };
+    assert_eq!((p.grid, p.args[0]), (Grid::Rows, Arg::Buf(Buf::PQkv)));
+    // Per-head QK-norm stays inside attention, and never as this kernel.
+    let g = schedule_of("archs/tiny/gemma3-tiny.toml", |t| t).unwrap();
+    assert!(!kernels(&g).contains(&"qk_norm_whole"));
+}
+
 #[test]
 fn olmoe_is_refused_by_name() {
     let e = thin_generated::olmoe_tiny::cuda::arch().unwrap_err();
     match &e {
-        PlanError::Unsupported { arch, what } => assert_eq!((arch.as_str(), what.as_str()), ("olmoe-tiny", "QK-norm over the whole projection (attn_q_norm over 64 values)")),
+        PlanError::Unsupported { arch, what } => assert_eq!((arch.as_str(), what.as_str()), ("olmoe-tiny", "mixture-of-experts layers")),
         other => panic!("{other}"),
     }
     assert!(e.to_string().contains("use --backend cpu"), "{e}");
