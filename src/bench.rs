@@ -7,7 +7,6 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use serde_json::json;
-use thin_core::role::Role;
 use thin_core::sampler::argmax;
 
 fn mean_sd(xs: &[f64]) -> (f64, f64) {
@@ -41,7 +40,9 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
         .with_context(|| format!("opening {}", file.display()))?;
     let m = session.archive().manifest();
     let vocab = m.arch.dims.vocab_size as usize;
-    let profile = m.tensor(Role::TokenEmbd, None).map(|t| t.dtype.name()).unwrap_or("?");
+    // The quantization profile the archive was converted with (bf16, fp8, mxfp4, a file's stem).
+    let profile = m.quantization.method.clone();
+    let weight_bytes = m.weight_bytes_per_token();
     let (name, backend) = (session.arch(), session.backend());
     let hello = session.prompt("Hello", false).context("encoding the prompt")?;
     let e = session.engine();
@@ -91,6 +92,10 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     // held_gib: its own buffers alone.
     let held = e.device_bytes().map(gib);
     let peak = e.measured_device_bytes().map(gib);
+    // The profile's roofline: weight bytes read per token over the copy rate, measured after the
+    // peak was read (its buffers are freed again).
+    let copy = e.copy_rate_gb_s();
+    let roofline = copy.map(|c| c * 1e9 / weight_bytes as f64);
     let rec = json!({
         "model": name,
         "profile": profile,
@@ -101,6 +106,10 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
         "prefill_tok_s": (pp_m * 100.0).round() / 100.0,
         "pp": {"n": opts.pp, "mean": pp_m, "sd": pp_sd, "reps": pp},
         "tg": {"n": opts.tg, "mean": tg_m, "sd": tg_sd, "reps": tg},
+        "weight_bytes_per_token": weight_bytes,
+        "copy_gb_s": copy,
+        "roofline_tok_s": roofline,
+        "roofline_pct": roofline.map(|r| (1000.0 * decode_tok_s / r).round() / 10.0),
         "peak_gib": peak,
         "peak_method": "cuMemGetInfo used at the end minus used once the CUDA context existed",
         "held_gib": held,

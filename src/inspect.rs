@@ -85,22 +85,6 @@ fn plan_rows(m: &Manifest) -> Vec<PlanRow> {
         .collect()
 }
 
-/// Weight bytes one decode step reads: every matrix whole, except the token embedding (one row;
-/// all of it when it is also the LM head) and the experts (top_k of num_experts).
-fn bytes_per_token(m: &Manifest) -> u64 {
-    use thin_core::role::Role;
-    let d = &m.arch.dims;
-    m.tensors
-        .iter()
-        .map(|t| match t.role {
-            Role::TokenEmbd if d.tie_word_embeddings => t.byte_len + t.byte_len / d.vocab_size.max(1),
-            Role::TokenEmbd => t.byte_len / d.vocab_size.max(1),
-            Role::MoeGate | Role::MoeUp | Role::MoeDown => t.byte_len / d.num_experts.max(1) * d.top_k,
-            _ => t.byte_len,
-        })
-        .sum()
-}
-
 /// Vocab entries plus added tokens of an embedded tokenizer.json.
 fn tokenizer_summary(m: &Manifest) -> Value {
     let t = &m.tokenizer;
@@ -164,7 +148,7 @@ pub fn to_json(a: &Archive) -> Value {
             "modules_to_not_convert": q.modules_to_not_convert, "source_config": q.source_config,
             "methods": method_counts(m),
             "plan": plan_rows(m).iter().map(|r| json!({"role": r.role, "layers": r.layers, "method": r.method, "tensors": r.tensors, "bytes": r.bytes})).collect::<Vec<_>>(),
-            "bytes_per_token": bytes_per_token(m),
+            "bytes_per_token": m.weight_bytes_per_token(),
             "exact_storage_preserved": m.tensors.iter().filter(|t| t.exact_storage_preserved).count(),
         },
         "source": m.source,
@@ -246,7 +230,7 @@ pub fn to_text(a: &Archive) -> String {
     for r in plan_rows(m) {
         let _ = writeln!(s, "          {:<16} {:<24} {:<16} {:>7} {:>14}", r.role, r.layers, r.method, r.tensors, r.bytes);
     }
-    let per_token = bytes_per_token(m);
+    let per_token = m.weight_bytes_per_token();
     let _ = writeln!(s, "          {per_token} weight bytes read per decode token ({:.1} MiB)", per_token as f64 / (1 << 20) as f64);
     s
 }

@@ -124,6 +124,10 @@ pub trait LoadedEngine: Engine + Send {
     fn load_stats(&self) -> serde_json::Value {
         serde_json::Value::Null
     }
+    /// The device's copy rate in GB/s (read + written), measured now; `None` on the CPU.
+    fn copy_rate_gb_s(&self) -> Option<f64> {
+        None
+    }
     /// Per-kernel device times of the decode step.
     fn profile(&mut self, _reps: usize) -> Result<serde_json::Value, Error> {
         Err(Error::Unsupported("this backend has no kernel profile"))
@@ -182,6 +186,9 @@ impl LoadedEngine for thin_core::cuda::runtime::CudaEngine {
     }
     fn load_stats(&self) -> serde_json::Value {
         serde_json::to_value(&self.stats).unwrap_or_default()
+    }
+    fn copy_rate_gb_s(&self) -> Option<f64> {
+        thin_core::cuda::runtime::CudaEngine::copy_rate_gb_s(self).ok()
     }
     fn profile(&mut self, reps: usize) -> Result<serde_json::Value, Error> {
         let rows = thin_core::cuda::runtime::CudaEngine::profile(self, reps).map_err(|e| Error::Cuda(e.to_string()))?;

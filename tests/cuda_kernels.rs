@@ -21,8 +21,9 @@
 //! rows, and `norm_residual` over prefill rows where scheduled; a last check fails if any
 //! kernel instance the module defines never ran. The decode forms of qk_rope_kv, attn_partial and
 //! attn_combine_rows (over `Qkv` and the split partials) are launched by hand from the schedule's
-//! prefill launches: the split merge is only reached that way. Each arch runs twice: bf16 weights,
-//! then layer 0 and the embedding in f32 (every kernel instance of both types runs). Not covered:
+//! prefill launches: the split merge is only reached that way. Each arch runs three times: bf16 weights,
+//! then layer 0 and the embedding in f32 (every kernel instance of both types runs), then every
+//! matrix in FP8 e4m3 with row scales (the fp8 instances and prefill's dequant before its GEMMs). Not covered:
 //! the decode graph and the prefill pass as wholes.
 #![cfg(feature = "cuda")]
 #![cfg_attr(not(any(feature = "smollm2-135m", feature = "llama3.2-1b", feature = "smollm3-3b", feature = "gemma3-270m")), allow(dead_code, unused_imports))]
@@ -39,6 +40,7 @@ use thin_core::cuda::runtime::{CudaEngine, CudaError, WeightSource};
 use thin_core::dtype::DType;
 use thin_core::engine::WeightView;
 use thin_core::role::Role;
+use thin_core::weight_format::WeightLayout;
 
 /// KV positions of the engine under test: the default `thin run`/`thin bench` cache, so the decode
 /// attention runs with the grid it has there (64 splits).
@@ -207,15 +209,28 @@ fn defined_kernels(src: &str) -> Vec<String> {
 /// A model of `CudaArch`'s shapes with random weights: matrices uniform in ±1/sqrt(in)
 /// (activations stay O(1)), f32 norm vectors 1 ± 0.1. Three instances of each per-layer tensor:
 /// layer 0's, the last layer's, and one all other layers share (the engine uploads every layer).
-/// Matrices are bf16, or with `mixed`, f32 for layer 0 and the embedding and bf16 for the rest:
-/// one archive of two storage types, each launch taking its weights' kernel instance.
+/// Matrices are bf16; or (`Mix::F32Layer0`) f32 for layer 0 and the embedding and bf16 for the
+/// rest: one archive of two storage types, each launch taking its weights' kernel instance; or
+/// (`Mix::Fp8`) every matrix FP8 e4m3 with its f32 row scales, quantized by the CPU codec
+/// (thin_core::codecs::fp8) and laid out as the archive stores them (weight_format.rs).
+/// The storage types of a random model's matrices (norms are f32 in all).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Mix {
+    Bf16,
+    F32Layer0,
+    Fp8,
+}
+
 struct RandomWeights {
     last: u32,
+    /// Rows and columns of each role's matrix (the same in every layer).
+    rows: BTreeMap<Role, usize>,
+    cols: BTreeMap<Role, usize>,
     tensors: BTreeMap<(Role, u8), (DType, Vec<u8>)>,
 }
 
 impl RandomWeights {
-    fn new(a: &CudaArch, seed: u64, mixed: bool) -> RandomWeights {
+    fn new(a: &CudaArch, seed: u64, types: Mix) -> RandomWeights {
         let (h, q, kv) = ((a.dims.hidden_size as usize), (a.dims.num_heads as usize) * (a.dims.head_dim as usize), (a.dims.num_kv_heads as usize) * (a.dims.head_dim as usize));
         let mut shapes = vec![(Role::TokenEmbd, (a.dims.vocab_size as usize), h), (Role::OutputNorm, 1, h)];
         if reads(a, Role::LmHead) {
@@ -241,19 +256,33 @@ impl RandomWeights {
             per_layer.extend([(Role::AttnPostNorm, 1, h), (Role::FfnPostNorm, 1, h)]);
         }
         let mut tensors = BTreeMap::new();
+        let rows: BTreeMap<Role, usize> = shapes.iter().chain(&per_layer).map(|&(r, n, _)| (r, n)).collect();
+        let cols: BTreeMap<Role, usize> = shapes.iter().chain(&per_layer).map(|&(r, _, c)| (r, c)).collect();
         let all = shapes.iter().map(|s| (*s, 0u8)).chain(per_layer.iter().flat_map(|s| (0..3u8).map(move |v| (*s, v))));
         for ((role, rows, cols), v) in all {
             let seed = seed ^ mix(((role as u64) << 8) | v as u64);
             let amp = 1.0 / (cols as f32).sqrt();
-            let t = if role.is_norm() || (mixed && v == 0) { DType::F32 } else { DType::Bf16 };
+            let t = match types {
+                _ if role.is_norm() => DType::F32,
+                Mix::F32Layer0 if v == 0 => DType::F32,
+                Mix::Fp8 => DType::F8E4m3,
+                _ => DType::Bf16,
+            };
             let bytes = match (role.is_norm(), t) {
                 (true, _) => random_bytes(seed, rows * cols, |r| (1.0 + r.sym(0.1)).to_le_bytes()),
                 (false, DType::F32) => random_bytes(seed, rows * cols, |r| r.sym(amp).to_le_bytes()),
+                (false, DType::F8E4m3) => {
+                    let x: Vec<f32> = random_bytes(seed, rows * cols, |r| r.sym(amp).to_le_bytes()).chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                    let (mut values, mut scales) = (vec![0u8; rows * cols], vec![0f32; rows]);
+                    thin_core::codecs::fp8::quantize(&x, cols, &mut values, &mut scales).expect("fp8 quantize");
+                    let scales: Vec<u8> = scales.iter().flat_map(|f| f.to_le_bytes()).collect();
+                    WeightLayout::of(t, &[rows as u64, cols as u64], false).expect("fp8 layout").assemble(&values, &[&scales])
+                }
                 (false, _) => random_bytes(seed, rows * cols, |r| to_bf16(r.sym(amp)).to_le_bytes()),
             };
             tensors.insert((role, v), (t, bytes));
         }
-        RandomWeights { last: layer_facts(a).len() as u32 - 1, tensors }
+        RandomWeights { last: layer_facts(a).len() as u32 - 1, rows, cols, tensors }
     }
 
     fn raw(&self, role: Role, layer: Option<u32>) -> Option<(DType, &[u8])> {
@@ -266,10 +295,17 @@ impl RandomWeights {
         self.tensors.get(&(role, v)).map(|(t, b)| (*t, &b[..]))
     }
 
-    /// A tensor's values as f32 (bf16 widens exactly).
+    /// A tensor's values as f32 (bf16 widens exactly; FP8 as the CPU codec decodes it, `e4m3 * scale`).
     fn f32(&self, role: Role, layer: Option<u32>) -> Vec<f32> {
         match self.raw(role, layer).unwrap_or_else(|| panic!("{role:?} layer {layer:?} is not in the random model")) {
             (DType::F32, b) => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            (DType::F8E4m3, b) => {
+                let rows = self.rows[&role];
+                let cols = self.cols[&role];
+                let off = (rows * cols).next_multiple_of(64);
+                let scales: Vec<f32> = b[off..off + 4 * rows].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                WeightView::F8E4m3 { values: &b[..rows * cols], scales: &scales, cols }.to_f32_vec()
+            }
             (_, b) => b.chunks_exact(2).map(|c| from_bf16(u16::from_le_bytes([c[0], c[1]]))).collect(),
         }
     }
@@ -564,7 +600,8 @@ impl<'a> T<'a> {
     /// The kernels were rendered with this arch's shapes and the reference's constants.
     /// The embedding scale the kernels apply to this model's embedding type.
     fn emb_scale(&self) -> f32 {
-        if self.w.dtype(Role::TokenEmbd, None) == Some(DType::F32) { self.r.emb_scale_f32 } else { self.r.emb_scale }
+        // The bf16 instance rounds the scale as HF does; f32 and the quantized types (whose oracle is the CPU engine) keep it exact.
+        if self.w.dtype(Role::TokenEmbd, None) == Some(DType::Bf16) { self.r.emb_scale } else { self.r.emb_scale_f32 }
     }
 
     fn constants(&mut self) {
@@ -949,9 +986,14 @@ impl<'a> T<'a> {
     /// One prefill GEMM: `out[:, col..col + n] (+)= in · W^T` over ROWS rows; the other columns
     /// and the row after the last stay as written.
     fn gemm(&mut self, g: &Gemm) {
-        let w = self.w.f32(g.weight.0, g.weight.1);
+        let mut w = self.w.f32(g.weight.0, g.weight.1);
         // The input rows in the weight's type, as the launch before the GEMM writes them.
         let t = self.e.layout().type_of(g.weight).expect("a weight of the schedule");
+        if plan::dequantized_for_gemm(t) {
+            // The GEMM reads the matrix decoded to bf16 by dequant_<type> (its own check is this one).
+            w.iter_mut().for_each(|x| *x = round_bf16(*x));
+            self.ran.insert(plan::instance("dequant", t));
+        }
         let x = self.put_rand_as(g.input, ROWS * g.k, 1.0, t);
         let mut want = self.rand((ROWS + 1) * g.ldc, 1.0);
         self.put(g.out, &want);
@@ -1068,17 +1110,18 @@ fn run_arch(a: CudaArch, r: Ref) {
     let seed = a.arch.bytes().fold(0x7468_696e_u64, |s, b| mix(s ^ b as u64));
     let mut checks = Vec::new();
     let mut ran = BTreeSet::new();
-    for mixed in [false, true] {
-        let w = RandomWeights::new(&a, seed, mixed);
+    for mix in [Mix::Bf16, Mix::F32Layer0, Mix::Fp8] {
+        let mixed = mix != Mix::Bf16;
+        let w = RandomWeights::new(&a, seed, mix);
         let e = match CudaEngine::with_weights(&w, &a, &CudaOptions::new(CTX)) {
             Ok(e) => e,
             Err(CudaError::NoDriver) => {
                 println!("{}: skipped: no CUDA driver", a.arch);
                 return;
             }
-            Err(err) => panic!("{}: bringing up the CUDA engine on random weights (mixed: {mixed}): {err}", a.arch),
+            Err(err) => panic!("{}: bringing up the CUDA engine on random weights ({mix:?}): {err}", a.arch),
         };
-        let mut t = T::new(&a, &r, &w, &e, seed ^ 1 ^ mixed as u64);
+        let mut t = T::new(&a, &r, &w, &e, seed ^ 1 ^ mixed as u64 ^ ((mix == Mix::Fp8) as u64) << 1);
         t.constants();
         t.rope_tables();
         t.embed();

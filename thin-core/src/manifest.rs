@@ -105,4 +105,20 @@ impl Manifest {
     pub fn tensor(&self, role: Role, layer: Option<u32>) -> Option<&TensorEntry> {
         self.tensors.iter().find(|t| t.role == role && t.layer == layer)
     }
+
+    /// Weight bytes one decode step reads: every matrix whole (values and scales), except the
+    /// token embedding (one row; the whole table again when tied, as the LM head) and MoE experts
+    /// (top_k of num_experts). The numerator of a profile's roofline.
+    pub fn weight_bytes_per_token(&self) -> u64 {
+        let d = &self.arch.dims;
+        self.tensors
+            .iter()
+            .map(|t| match t.role {
+                Role::TokenEmbd if d.tie_word_embeddings => t.byte_len + t.byte_len / d.vocab_size.max(1),
+                Role::TokenEmbd => t.byte_len / d.vocab_size.max(1),
+                Role::MoeGate | Role::MoeUp | Role::MoeDown => t.byte_len / d.num_experts.max(1) * d.top_k,
+                _ => t.byte_len,
+            })
+            .sum()
+    }
 }

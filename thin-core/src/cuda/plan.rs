@@ -30,7 +30,22 @@ pub const MATVEC_MAX_BLOCKS: u32 = 4096;
 pub const ALIGN: usize = 256;
 /// Weight storage types the kernels have a traits block for (`kernels/decode.cu.j2`): a kernel
 /// that reads weights exists once per type, named [`instance`].
-pub const WEIGHT_TYPES: [DType; 2] = [DType::Bf16, DType::F32];
+pub const WEIGHT_TYPES: [DType; 3] = [DType::Bf16, DType::F32, DType::F8E4m3];
+
+/// The element type prefill's GEMMs read for weights stored as `t` (and their input rows): the
+/// type itself for bf16 and f32; bf16 for a quantized type, whose matrix the `dequant_<type>`
+/// kernel decodes into [`Buf::PW`] before the GEMM.
+pub fn gemm_type(t: DType) -> DType {
+    match t {
+        DType::F32 => DType::F32,
+        _ => DType::Bf16,
+    }
+}
+
+/// Whether prefill dequantizes weights of type `t` before a GEMM.
+pub fn dequantized_for_gemm(t: DType) -> bool {
+    gemm_type(t) != t
+}
 
 /// The kernel that runs `kernel` over weights stored as `t` (`norm_qkv_bf16`).
 pub fn instance(kernel: &str, t: DType) -> String {
@@ -85,7 +100,8 @@ impl Schedule {
         self.decode.iter().chain(prefill).chain(&self.epilogue)
     }
 
-    fn gemms(&self) -> impl Iterator<Item = &Gemm> {
+    /// Prefill's GEMMs, in order.
+    pub fn gemms(&self) -> impl Iterator<Item = &Gemm> {
         self.prefill.iter().filter_map(|s| match s {
             Step::Gemm(g) => Some(g),
             Step::Kernel(_) => None,
@@ -165,19 +181,19 @@ pub enum Buf {
     VCache(usize),
     /// Prefill rows `[rows, hidden]` f32: the residual stream of every prompt token.
     PX,
-    /// Prefill rows normed, in the weights' type (GEMM input) `[rows, hidden]`.
+    /// Prefill rows normed, in the weights' GEMM type ([`gemm_type`]) `[rows, hidden]`.
     PXn,
     /// Prefill q | k | v rows `[rows, qkv]` f32.
     PQkv,
     /// Prefill attention partials `[rows, heads, 1, head_dim + 2]` f32.
     PPart,
-    /// Prefill attention output rows in the weights' type `[rows, heads * head_dim]`.
+    /// Prefill attention output rows in the O weights' GEMM type `[rows, heads * head_dim]`.
     PAtt,
     /// Prefill projection rows before a post-norm `[rows, hidden]` f32.
     PO,
     PGate,
     PUp,
-    /// Prefill MLP activation rows in the weights' type `[rows, ffn]`.
+    /// Prefill MLP activation rows in the down weights' GEMM type `[rows, ffn]`.
     PAct,
     /// Prefill token ids (i32).
     PToks,
@@ -185,6 +201,8 @@ pub enum Buf {
     AttnCount,
     /// The LM head's best (logit, index as f32 bits) per block, `[MATVEC_MAX_BLOCKS, 2]`.
     ArgPart,
+    /// Prefill: the quantized matrix of the next GEMM decoded to bf16 (the largest such matrix).
+    PW,
 }
 
 /// A launch's grid as the schedule states it; [`Layout::grid`] resolves it for the machine (its
@@ -325,7 +343,9 @@ impl Layout {
             types.insert(w, t);
         }
         check_launch_types(&a.schedule, &types)?;
-        let wbytes = types.iter().filter(|(w, _)| !w.0.is_norm()).map(|(_, t)| elem_bytes(*t)).max().unwrap_or(4);
+        let wbytes = types.iter().filter(|(w, _)| !w.0.is_norm()).map(|(_, t)| elem_bytes(gemm_type(*t))).max().unwrap_or(4);
+        // The largest quantized matrix a prefill GEMM reads, decoded to bf16.
+        let pw = a.schedule.gemms().filter(|g| dequantized_for_gemm(types[&g.weight])).map(|g| g.n * g.k * 2).max();
         let splits = ctx.div_ceil(ATTN_CHUNK).next_multiple_of(ATTN_CLUSTER);
         let d = &a.dims;
         let (hidden, heads, head_dim, ffn, vocab) = (d.hidden_size as usize, d.num_heads as usize, d.head_dim as usize, d.intermediate_size as usize, d.vocab_size as usize);
@@ -350,12 +370,16 @@ impl Layout {
             Buf::PGate | Buf::PUp => r * ffn * 4,
             Buf::PAct => r * ffn * wbytes,
             Buf::PToks => r * 4,
+            Buf::PW => pw.unwrap_or(0),
             Buf::Cos(_) | Buf::Sin(_) => ctx * half * 4,
             Buf::KCache(_) | Buf::VCache(_) => ctx * kv * 2,
         };
         // Tok and Pos are written by the host even where no kernel of the schedule reads them.
         let mut bufs = a.schedule.buffers();
         bufs.extend([Buf::Tok, Buf::Pos]);
+        if pw.is_some() {
+            bufs.insert(Buf::PW);
+        }
         let mut regions = BTreeMap::new();
         let mut off = 0;
         for b in bufs {
@@ -459,7 +483,7 @@ fn check_launch_types(s: &Schedule, types: &BTreeMap<WeightRef, DType>) -> Resul
             }
             Step::Gemm(g) => {
                 if let Some(&(kernel, by)) = written.get(&g.input) {
-                    if types[&by] != types[&g.weight] {
+                    if gemm_type(types[&by]) != gemm_type(types[&g.weight]) {
                         return Err(mixed(kernel, by, types[&by], g.weight, types[&g.weight]));
                     }
                 }
@@ -619,8 +643,14 @@ mod tests {
         }
         let e = Layout::new(&b, 64, 32, &f32_head, 132).unwrap_err();
         assert!(matches!(e, PlanError::MixedLaunch { kernel: "rows_norm", .. }), "{e}");
+        // q in FP8: its GEMM reads it decoded to bf16 from PW (128 x 64 bf16), after rows_norm
+        // wrote bf16 rows (rows_norm is typed by the embedding here, bf16: the same GEMM type).
         let fp8 = |w: WeightRef| if w.0 == Role::AttnQ { Some(DType::F8E4m3) } else { bf16(w) };
-        assert!(matches!(Layout::new(&a, 64, 32, &fp8, 132).unwrap_err(), PlanError::WeightType { role: Role::AttnQ, .. }));
+        let l = Layout::new(&a, 64, 32, &fp8, 132).unwrap();
+        assert_eq!((l.get(Buf::PW).unwrap().1, l.get(Buf::PXn).unwrap().1), (128 * 64 * 2, 32 * 64 * 2));
+        assert!(Layout::new(&a, 64, 32, &bf16, 132).unwrap().get(Buf::PW).is_none(), "no scratch without a quantized GEMM");
+        let q4 = |w: WeightRef| if w.0 == Role::AttnQ { Some(DType::Q4_1) } else { bf16(w) };
+        assert!(matches!(Layout::new(&a, 64, 32, &q4, 132).unwrap_err(), PlanError::WeightType { role: Role::AttnQ, .. }));
         let none = |w: WeightRef| if w.0 == Role::AttnQ { None } else { bf16(w) };
         assert!(matches!(Layout::new(&a, 64, 32, &none, 132).unwrap_err(), PlanError::MissingWeight { role: Role::AttnQ, .. }));
     }

@@ -330,6 +330,17 @@ fn compile(dev: &Device, arch: &CudaArch, layout: &Layout, timeline: bool, stats
         }
         funcs.insert(k, f);
     }
+    // Prefill's GEMMs over quantized matrices decode them first (`dequant_<type>`).
+    for g in arch.schedule.gemms() {
+        let t = layout.type_of(g.weight).ok_or(CudaError::Weight { role: g.weight.0, layer: g.weight.1, msg: "no type".into() })?;
+        let k = plan::instance("dequant", t);
+        if !plan::dequantized_for_gemm(t) || funcs.contains_key(&k) {
+            continue;
+        }
+        let name = CString::new(k.as_str()).map_err(|_| CudaError::Driver { what: "resolving a kernel", err: format!("bad kernel name {k:?}") })?;
+        let f = drv("resolving a kernel", unsafe { cu::module::get_function(module, name) })?;
+        funcs.insert(k, f);
+    }
     Ok((module, funcs))
 }
 
@@ -524,12 +535,21 @@ impl CudaEngine {
     /// One prefill GEMM: `out[:, col..col+n] (+)= input · W^T` (row-major), as cuBLAS's
     /// column-major `C[n, rows] = op(W)^T · X`.
     fn gemm(&self, handle: blassys::cublasHandle_t, g: &Gemm, rows: usize) -> Result<(), CudaError> {
-        let w = self.weight(g.weight.0, g.weight.1)?;
-        // The weights as stored; the input rows were written in the same type (the layout checked).
-        let wtype = match self.layout.type_of(g.weight) {
-            Some(DType::Bf16) => blassys::cudaDataType::CUDA_R_16BF,
-            Some(DType::F32) => blassys::cudaDataType::CUDA_R_32F,
-            other => return Err(CudaError::Weight { role: g.weight.0, layer: g.weight.1, msg: format!("stored as {other:?}; prefill's GEMMs take bf16 or f32") }),
+        let mut w = self.weight(g.weight.0, g.weight.1)?;
+        let stored = self.layout.type_of(g.weight).ok_or(CudaError::Weight { role: g.weight.0, layer: g.weight.1, msg: "not in the layout".into() })?;
+        if plan::dequantized_for_gemm(stored) {
+            // A quantized matrix: decoded to bf16 into PW first, on the same stream.
+            let f = *self.funcs.get(&plan::instance("dequant", stored)).ok_or(CudaError::Driver { what: "launching", err: format!("no dequant kernel for {}", stored.name()) })?;
+            let (mut src, mut n, mut k, mut dst) = (w, g.n as i32, g.k as i32, self.buf(Buf::PW));
+            let mut params: Vec<*mut c_void> = vec![&mut src as *mut u64 as *mut c_void, &mut n as *mut i32 as *mut c_void, &mut k as *mut i32 as *mut c_void, &mut dst as *mut u64 as *mut c_void];
+            let blocks = ((g.n * g.k).div_ceil(256) as u32).min(self.layout.sm_count * 8);
+            drv("dequantizing a prefill GEMM's weights", unsafe { cu::launch_kernel(f, (blocks, 1, 1), (256, 1, 1), 0, self.stream.cu_stream(), &mut params) })?;
+            w = self.buf(Buf::PW);
+        }
+        // The weights as the GEMM reads them; the input rows were written in the same type (the layout checked).
+        let wtype = match plan::gemm_type(stored) {
+            DType::F32 => blassys::cudaDataType::CUDA_R_32F,
+            _ => blassys::cudaDataType::CUDA_R_16BF,
         };
         let x = self.buf(g.input);
         let c = self.buf(g.out) + (g.out_col * 4) as u64;
@@ -666,6 +686,24 @@ impl CudaEngine {
 /// inputs) and `thin bench --profile`.
 impl CudaEngine {
     /// The decode step's launches, in order.
+    /// Device-to-device copy rate in GB/s, bytes read plus bytes written (the roofline's
+    /// denominator, as METHOD.md measures it): 512 MiB copied 10 times after one untimed copy, on
+    /// two buffers allocated for it and freed after.
+    pub fn copy_rate_gb_s(&self) -> Result<f64, CudaError> {
+        const BYTES: usize = 512 << 20;
+        let (a, b) = (DeviceBuffer::new(BYTES, true, "allocating the copy test")?, DeviceBuffer::new(BYTES, false, "allocating the copy test")?);
+        let cs = self.stream.cu_stream();
+        let copy = || drv("timing a device copy", unsafe { cu::memcpy_dtod_async(b.ptr, a.ptr, BYTES, cs) });
+        copy()?;
+        drv("timing a device copy", self.stream.synchronize())?;
+        let t = std::time::Instant::now();
+        for _ in 0..10 {
+            copy()?;
+        }
+        drv("timing a device copy", self.stream.synchronize())?;
+        Ok(2.0 * BYTES as f64 * 10.0 / t.elapsed().as_secs_f64() / 1e9)
+    }
+
     pub fn launches(&self) -> &[Launch] {
         &self.spec.schedule.decode
     }
