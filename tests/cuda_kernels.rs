@@ -21,9 +21,10 @@
 //! rows, and `norm_residual` over prefill rows where scheduled; a last check fails if any
 //! kernel instance the module defines never ran. The decode forms of qk_rope_kv, attn_partial and
 //! attn_combine_rows (over `Qkv` and the split partials) are launched by hand from the schedule's
-//! prefill launches: the split merge is only reached that way. Each arch runs three times: bf16 weights,
+//! prefill launches: the split merge is only reached that way. Each arch runs four times: bf16 weights,
 //! then layer 0 and the embedding in f32 (every kernel instance of both types runs), then every
-//! matrix in FP8 e4m3 with row scales (the fp8 instances and prefill's dequant before its GEMMs). Not covered:
+//! matrix in FP8 e4m3 with row scales, then every matrix in MXFP4 (layer 0 and the embedding with
+//! a row postscale, the rest without): the quantized instances, and prefill's dequant before its GEMMs. Not covered:
 //! the decode graph and the prefill pass as wholes.
 #![cfg(feature = "cuda")]
 #![cfg_attr(not(any(feature = "smollm2-135m", feature = "llama3.2-1b", feature = "smollm3-3b", feature = "gemma3-270m")), allow(dead_code, unused_imports))]
@@ -219,6 +220,9 @@ enum Mix {
     Bf16,
     F32Layer0,
     Fp8,
+    /// Every matrix MXFP4; layer 0's and the embedding with a fitted bf16 row postscale, the
+    /// others without (the runtime adds ones).
+    Mxfp4,
 }
 
 struct RandomWeights {
@@ -266,6 +270,7 @@ impl RandomWeights {
                 _ if role.is_norm() => DType::F32,
                 Mix::F32Layer0 if v == 0 => DType::F32,
                 Mix::Fp8 => DType::F8E4m3,
+                Mix::Mxfp4 => DType::Mxfp4,
                 _ => DType::Bf16,
             };
             let bytes = match (role.is_norm(), t) {
@@ -277,6 +282,20 @@ impl RandomWeights {
                     thin_core::codecs::fp8::quantize(&x, cols, &mut values, &mut scales).expect("fp8 quantize");
                     let scales: Vec<u8> = scales.iter().flat_map(|f| f.to_le_bytes()).collect();
                     WeightLayout::of(t, &[rows as u64, cols as u64], false).expect("fp8 layout").assemble(&values, &[&scales])
+                }
+                (false, DType::Mxfp4) => {
+                    let x: Vec<f32> = random_bytes(seed, rows * cols, |r| r.sym(amp).to_le_bytes()).chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                    let (mut values, mut scales) = (vec![0u8; rows * cols / 2], vec![0u8; rows * cols / 32]);
+                    let layout = |post| WeightLayout::of(t, &[rows as u64, cols as u64], post).expect("mxfp4 layout");
+                    if v == 0 {
+                        let mut post = vec![half::bf16::ONE; rows];
+                        thin_core::codecs::mxfp4::quantize_with_postscale(&x, cols, &mut values, &mut scales, &mut post).expect("mxfp4 quantize");
+                        let post: Vec<u8> = post.iter().flat_map(|p| p.to_le_bytes()).collect();
+                        layout(true).assemble(&values, &[&scales, &post])
+                    } else {
+                        thin_core::codecs::mxfp4::quantize(&x, cols, &mut values, &mut scales).expect("mxfp4 quantize");
+                        layout(false).assemble(&values, &[&scales])
+                    }
                 }
                 (false, _) => random_bytes(seed, rows * cols, |r| to_bf16(r.sym(amp)).to_le_bytes()),
             };
@@ -306,6 +325,14 @@ impl RandomWeights {
                 let scales: Vec<f32> = b[off..off + 4 * rows].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
                 WeightView::F8E4m3 { values: &b[..rows * cols], scales: &scales, cols }.to_f32_vec()
             }
+            (DType::Mxfp4, b) => {
+                let (rows, cols) = (self.rows[&role], self.cols[&role]);
+                let e = (rows * cols / 2).next_multiple_of(64);
+                let p = (e + rows * cols / 32).next_multiple_of(64);
+                let post: Vec<half::bf16> = b.get(p..p + 2 * rows).map(|s| s.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]])).collect()).unwrap_or_default();
+                let postscale = (!post.is_empty()).then_some(&post[..]);
+                WeightView::Mxfp4 { values: &b[..rows * cols / 2], scales: &b[e..e + rows * cols / 32], postscale, cols }.to_f32_vec()
+            }
             (_, b) => b.chunks_exact(2).map(|c| from_bf16(u16::from_le_bytes([c[0], c[1]]))).collect(),
         }
     }
@@ -317,6 +344,9 @@ impl WeightSource for RandomWeights {
     }
     fn bytes(&self, role: Role, layer: Option<u32>) -> Result<Cow<'_, [u8]>, String> {
         self.raw(role, layer).map(|(_, b)| Cow::Borrowed(b)).ok_or_else(|| format!("{role:?} layer {layer:?} is not in the random model"))
+    }
+    fn shape(&self, role: Role, layer: Option<u32>) -> Option<Vec<u64>> {
+        self.raw(role, layer).map(|_| vec![self.rows[&role] as u64, self.cols[&role] as u64])
     }
 }
 
@@ -1110,7 +1140,7 @@ fn run_arch(a: CudaArch, r: Ref) {
     let seed = a.arch.bytes().fold(0x7468_696e_u64, |s, b| mix(s ^ b as u64));
     let mut checks = Vec::new();
     let mut ran = BTreeSet::new();
-    for mix in [Mix::Bf16, Mix::F32Layer0, Mix::Fp8] {
+    for mix in [Mix::Bf16, Mix::F32Layer0, Mix::Fp8, Mix::Mxfp4] {
         let mixed = mix != Mix::Bf16;
         let w = RandomWeights::new(&a, seed, mix);
         let e = match CudaEngine::with_weights(&w, &a, &CudaOptions::new(CTX)) {
@@ -1121,7 +1151,7 @@ fn run_arch(a: CudaArch, r: Ref) {
             }
             Err(err) => panic!("{}: bringing up the CUDA engine on random weights ({mix:?}): {err}", a.arch),
         };
-        let mut t = T::new(&a, &r, &w, &e, seed ^ 1 ^ mixed as u64 ^ ((mix == Mix::Fp8) as u64) << 1);
+        let mut t = T::new(&a, &r, &w, &e, seed ^ 1 ^ mixed as u64 ^ (mix as u64) << 1);
         t.constants();
         t.rope_tables();
         t.embed();

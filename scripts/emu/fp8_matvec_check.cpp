@@ -1,4 +1,4 @@
-// Harness appended to a rendered decode.cu (THIN_WEIGHTS_f8_e4m3) by scripts/emu/run_fp8.sh: the
+// Harness appended to a rendered decode.cu (THIN_WEIGHTS_f8_e4m3) by scripts/emu/run_quant.sh: the
 // FP8 matvec kernels (down_residual, norm_gateup) and dequant against a float64 reference of
 // e4m3 * row scale, on random bytes (every code but the NaNs, subnormals included).
 #include <cstdio>

@@ -30,7 +30,7 @@ pub const MATVEC_MAX_BLOCKS: u32 = 4096;
 pub const ALIGN: usize = 256;
 /// Weight storage types the kernels have a traits block for (`kernels/decode.cu.j2`): a kernel
 /// that reads weights exists once per type, named [`instance`].
-pub const WEIGHT_TYPES: [DType; 3] = [DType::Bf16, DType::F32, DType::F8E4m3];
+pub const WEIGHT_TYPES: [DType; 4] = [DType::Bf16, DType::F32, DType::F8E4m3, DType::Mxfp4];
 
 /// The element type prefill's GEMMs read for weights stored as `t` (and their input rows): the
 /// type itself for bf16 and f32; bf16 for a quantized type, whose matrix the `dequant_<type>`
@@ -277,18 +277,19 @@ pub enum Step {
 }
 
 /// Threads that share one output's dot products in the matvec kernels (the template's
-/// `Mv<IN, NR>::T`, `nr` weight rows per output): the fewest of 32, 64, 128, 256 that leave each
-/// thread at most 8 16-byte weight vectors, else 256.
-pub fn matvec_group_threads(in_features: usize, wbytes: usize, nr: usize) -> u32 {
-    let nv = in_features * wbytes / 16;
+/// `Mv<IN, NR>::T`, `nr` weight rows per output, `vec` weights per 16-byte vector, the traits
+/// block's VEC): the fewest of 32, 64, 128, 256 that leave each thread at most 8 16-byte weight
+/// vectors, else 256.
+pub fn matvec_group_threads(in_features: usize, vec: usize, nr: usize) -> u32 {
+    let nv = in_features / vec;
     [32u32, 64, 128].into_iter().find(|&t| nr * nv.div_ceil(t as usize) <= 8).unwrap_or(256)
 }
 
 /// Grid of a matvec over `rows` outputs of `nr` weight rows of `in_features`: enough blocks for
 /// every output group (a block takes 256 / group-threads at a time), at most `per_sm` per
 /// multiprocessor.
-pub fn matvec_grid(in_features: usize, rows: usize, nr: usize, wbytes: usize, sm_count: u32, per_sm: u32) -> (u32, u32, u32) {
-    let per_block = (MATVEC_WARPS * 32 / matvec_group_threads(in_features, wbytes, nr)) as usize;
+pub fn matvec_grid(in_features: usize, rows: usize, nr: usize, vec: usize, sm_count: u32, per_sm: u32) -> (u32, u32, u32) {
+    let per_block = (MATVEC_WARPS * 32 / matvec_group_threads(in_features, vec, nr)) as usize;
     let need = rows.div_ceil(per_block) as u32;
     (need.min(sm_count.max(1) * per_sm.max(1)).min(MATVEC_MAX_BLOCKS).max(1), 1, 1)
 }
@@ -315,12 +316,18 @@ fn align(x: usize) -> usize {
     x.div_ceil(ALIGN) * ALIGN
 }
 
-/// Bytes per element of a weight type the kernels read.
+/// Bytes per element of a GEMM input type (f32 or bf16).
 fn elem_bytes(t: DType) -> usize {
+    if t == DType::F32 { 4 } else { 2 }
+}
+
+/// Weights per 16-byte vector of a storage type the matvecs read (the traits block's VEC).
+pub fn weights_per_vec(t: DType) -> usize {
     match t {
         DType::F32 => 4,
-        DType::F16 | DType::Bf16 => 2,
-        DType::F8E4m3 | DType::Mxfp4 | DType::Q8_0 | DType::Q4_1 => 1,
+        DType::F16 | DType::Bf16 => 8,
+        DType::F8E4m3 | DType::Q8_0 => 16,
+        DType::Mxfp4 | DType::Q4_1 => 32,
     }
 }
 
@@ -422,8 +429,8 @@ impl Layout {
         let r = rows as u32;
         match g {
             Grid::Matvec { weight, in_features, rows: out, nr } => {
-                let wbytes = self.type_of(weight).map_or(4, elem_bytes);
-                matvec_grid(in_features, out, nr, wbytes, self.sm_count, MATVEC_BLOCKS_PER_SM)
+                let vec = self.type_of(weight).map_or(4, weights_per_vec);
+                matvec_grid(in_features, out, nr, vec, self.sm_count, MATVEC_BLOCKS_PER_SM)
             }
             Grid::HeadSplits { heads } => (heads as u32, self.splits as u32, 1),
             Grid::Fixed(x, y, z) => (x, y, z),
@@ -635,6 +642,8 @@ mod tests {
         let l = Layout::new(&a, 64, 32, &f32_head, 132).unwrap();
         assert_eq!(l.kernel(&l_launch(&a, "norm_lm_head")), "norm_lm_head_f32");
         assert_eq!(l.grid(HEAD_GRID, 1), matvec_grid(64, 1000, 1, 4, 132, MATVEC_BLOCKS_PER_SM));
+        // FP8 and MXFP4: 16 and 32 weights a vector, so fewer threads share a row.
+        assert_eq!((matvec_group_threads(2048, weights_per_vec(DType::F8E4m3), 2), matvec_group_threads(11008, weights_per_vec(DType::Mxfp4), 1)), (32, 64));
         assert_eq!(l.get(Buf::PXn).unwrap().1, 32 * 64 * 4, "GEMM inputs sized for the widest type");
         // rows_norm writes q's GEMM input in q's type: a q of another type than rows_norm's is refused.
         let mut b = arch();
@@ -658,20 +667,20 @@ mod tests {
     #[test]
     fn matvec_grid_caps_at_the_machine() {
         // bf16 rows of 2048: a warp per row, 8 rows a block.
-        assert_eq!(matvec_group_threads(2048, 2, 1), 32);
-        assert_eq!(matvec_grid(2048, 960, 1, 2, 132, MATVEC_BLOCKS_PER_SM), (120, 1, 1));
-        assert_eq!(matvec_grid(2048, 128256, 1, 2, 132, MATVEC_BLOCKS_PER_SM), (132 * MATVEC_BLOCKS_PER_SM, 1, 1));
-        assert_eq!(matvec_grid(2048, 1, 1, 2, 132, MATVEC_BLOCKS_PER_SM), (1, 1, 1));
+        assert_eq!(matvec_group_threads(2048, 8, 1), 32);
+        assert_eq!(matvec_grid(2048, 960, 1, 8, 132, MATVEC_BLOCKS_PER_SM), (120, 1, 1));
+        assert_eq!(matvec_grid(2048, 128256, 1, 8, 132, MATVEC_BLOCKS_PER_SM), (132 * MATVEC_BLOCKS_PER_SM, 1, 1));
+        assert_eq!(matvec_grid(2048, 1, 1, 8, 132, MATVEC_BLOCKS_PER_SM), (1, 1, 1));
         // Gate and up rows together: two warps an output.
-        assert_eq!(matvec_group_threads(2048, 2, 2), 64);
+        assert_eq!(matvec_group_threads(2048, 8, 2), 64);
         // Long rows share a row over more threads: fewer rows a block, more blocks.
-        assert_eq!(matvec_group_threads(11008, 2, 1), 256);
-        assert_eq!(matvec_group_threads(8192, 2, 1), 128);
+        assert_eq!(matvec_group_threads(11008, 8, 1), 256);
+        assert_eq!(matvec_group_threads(8192, 8, 1), 128);
         assert_eq!(matvec_group_threads(2048, 4, 1), 64);
-        assert_eq!(matvec_group_threads(576, 2, 1), 32);
-        assert_eq!(matvec_grid(11008, 300, 1, 2, 132, MATVEC_BLOCKS_PER_SM), (300, 1, 1));
-        assert_eq!(matvec_grid(8192, 300, 1, 2, 132, MATVEC_BLOCKS_PER_SM), (150, 1, 1));
-        assert_eq!(matvec_grid(2048, 1 << 30, 1, 2, 100_000, MATVEC_BLOCKS_PER_SM).0, MATVEC_MAX_BLOCKS);
+        assert_eq!(matvec_group_threads(576, 8, 1), 32);
+        assert_eq!(matvec_grid(11008, 300, 1, 8, 132, MATVEC_BLOCKS_PER_SM), (300, 1, 1));
+        assert_eq!(matvec_grid(8192, 300, 1, 8, 132, MATVEC_BLOCKS_PER_SM), (150, 1, 1));
+        assert_eq!(matvec_grid(2048, 1 << 30, 1, 8, 100_000, MATVEC_BLOCKS_PER_SM).0, MATVEC_MAX_BLOCKS);
     }
 
     #[test]

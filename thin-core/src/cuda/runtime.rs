@@ -16,6 +16,7 @@ use cudarc::nvrtc::{result as nvrtc, sys as nvrtcsys};
 
 pub use super::CudaOptions;
 use super::plan::{self, Arg, Buf, CudaArch, Gemm, Launch, Layout, RopeTable, Step};
+use crate::weight_format::{ScaleKind, WeightLayout};
 use crate::dtype::DType;
 use crate::engine::EngineError;
 use crate::format::Archive;
@@ -199,6 +200,8 @@ pub trait WeightSource {
     fn dtype(&self, role: Role, layer: Option<u32>) -> Option<DType>;
     /// The tensor's bytes as stored (little-endian, row-major).
     fn bytes(&self, role: Role, layer: Option<u32>) -> Result<std::borrow::Cow<'_, [u8]>, String>;
+    /// The tensor's shape, `None` if absent.
+    fn shape(&self, role: Role, layer: Option<u32>) -> Option<Vec<u64>>;
 }
 
 impl WeightSource for Archive {
@@ -209,6 +212,31 @@ impl WeightSource for Archive {
         let e = self.manifest().tensor(role, layer).ok_or("missing from the archive")?;
         self.tensor_bytes(e).map(std::borrow::Cow::Borrowed).map_err(|e| e.to_string())
     }
+    fn shape(&self, role: Role, layer: Option<u32>) -> Option<Vec<u64>> {
+        self.manifest().tensor(role, layer).map(|t| t.shape.clone())
+    }
+}
+
+/// A tensor's bytes as the kernels read them: as stored, except an MXFP4 matrix without a row
+/// postscale, which gets a section of bf16 ones where the layout puts one (the kernels always
+/// read it: one instance for both).
+fn device_bytes<'a>(dtype: Option<DType>, shape: Option<Vec<u64>>, bytes: std::borrow::Cow<'a, [u8]>) -> Result<std::borrow::Cow<'a, [u8]>, String> {
+    if dtype != Some(DType::Mxfp4) {
+        return Ok(bytes);
+    }
+    let shape = shape.ok_or("no shape")?;
+    let bare = WeightLayout::of(DType::Mxfp4, &shape, false).map_err(|e| e.to_string())?;
+    if bytes.len() as u64 != bare.byte_len {
+        return Ok(bytes);
+    }
+    let with = WeightLayout::of(DType::Mxfp4, &shape, true).map_err(|e| e.to_string())?;
+    let post = with.scales.iter().find(|s| s.kind == ScaleKind::Row).ok_or("no postscale section")?;
+    let mut out = bytes.into_owned();
+    out.resize(post.offset as usize, 0);
+    for _ in 0..post.count {
+        out.extend_from_slice(&half::bf16::ONE.to_le_bytes());
+    }
+    Ok(std::borrow::Cow::Owned(out))
 }
 
 /// Device time of one kernel of the decode step, from [`CudaEngine::profile`].
@@ -357,7 +385,7 @@ fn upload_weights(dev: &Device, src: &dyn WeightSource, arch: &CudaArch, progres
         if role.is_norm() && stored != Some(DType::F32) {
             return Err(CudaError::Weight { role, layer, msg: format!("stored as {stored:?}; the kernels read norm weights as f32") });
         }
-        let bytes = src.bytes(role, layer).map_err(|msg| CudaError::Weight { role, layer, msg })?;
+        let bytes = src.bytes(role, layer).and_then(|b| device_bytes(stored, src.shape(role, layer), b)).map_err(|msg| CudaError::Weight { role, layer, msg })?;
         let n = bytes.len();
         offsets.insert((role, layer), (total, n));
         sources.push((bytes, total));

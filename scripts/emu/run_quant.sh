@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# CPU emulation of the quantized matvec kernels as rendered for an arch (see scripts/emu/run.sh for
+# the emulator): for FP8 (e4m3 + f32 row scale) and MXFP4 (e2m1 + e8m0 per 32 + bf16 postscale),
+# down_residual and norm_gateup against a float64 reference over every code, and the prefill
+# dequant to bf16.
+#   bash scripts/emu/run_quant.sh [arch_dir ...]   (default smollm2_135m)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+tmp=$(mktemp -d)
+for a in ${@:-smollm2_135m}; do
+  for t in fp8:f8_e4m3 mxfp4:mxfp4; do
+    { echo '#include "emu.h"'; echo "#define THIN_WEIGHTS_${t#*:} 1"; cat "generated/$a/kernels/decode.cu"; echo; cat "scripts/emu/${t%%:*}_matvec_check.cpp"; } > "$tmp/$a.cpp"
+    g++ -std=c++20 -O2 -pthread -w -I scripts/emu "$tmp/$a.cpp" -o "$tmp/$a"
+    echo -n "$a ${t%%:*}: "; "$tmp/$a"
+  done
+done
