@@ -24,14 +24,23 @@ use thin_core::sampler::{argmax, Sampler, SamplerConfig};
 use thin_core::tokenizer::{ChatMessage, TextTokenizer, TokenizerError};
 
 pub use thin_core::cuda::CudaOptions;
+pub use thin_core::format::PagesChecked;
 
 /// What a token callback may fail with (its own I/O, a closed connection).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("opening {path}: {source}")]
-    Archive { path: String, source: FormatError },
+    // `error` is not a `source`, for the reason `Damaged`'s is not.
+    #[error("opening {path}: {error}")]
+    Archive { path: String, error: FormatError },
+    /// A data page whose blake3 is not the page table's (checked by [`open`] unless
+    /// [`Integrity::Trust`]).
+    // `damage` is not a `source`: the message already says it, a chain would say it twice.
+    #[error("{damage}; no token was computed from it (`thin verify` checks the whole archive; --no-verify skips this check)")]
+    Damaged { path: String, damage: FormatError },
+    #[error("--ctx {ctx} is more than the model's maximum of {model_max} positions")]
+    CtxAboveModel { ctx: usize, model_max: u64 },
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
     #[error(transparent)]
@@ -88,12 +97,26 @@ pub enum Backend {
     Cuda,
 }
 
+/// Positions a session holds when [`Options::ctx`] does not say (fewer if the model's maximum is).
+pub const DEFAULT_CTX: usize = 4096;
+
+/// Whether [`open_with`] checks the archive's data pages against their blake3 in the page table.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Integrity {
+    /// Every page hashed while the engine loads; a damaged page is [`Error::Damaged`] and no
+    /// token is computed from it.
+    #[default]
+    Verify,
+    /// No page hashed (`--no-verify`): a flipped bit in the weights goes unnoticed.
+    Trust,
+}
+
 /// How to open a session.
 #[derive(Clone, Debug)]
 pub struct Options {
     pub backend: Backend,
-    /// KV-cache positions (the GPU allocates them up front); `None`: 4096 or the model's maximum
-    /// if smaller.
+    /// KV-cache positions (the GPU allocates them up front); `None`: [`DEFAULT_CTX`] or the
+    /// model's maximum if smaller. More than the model's maximum is [`Error::CtxAboveModel`].
     pub ctx: Option<usize>,
     /// Progress bars while loading.
     pub progress: bool,
@@ -230,17 +253,48 @@ pub struct Session {
     backend: &'static str,
     arch: &'static str,
     ctx: usize,
+    pages_checked: Option<PagesChecked>,
 }
 
-/// Open `path` with the engine compiled in for its architecture, on `opts.backend`.
+/// Open `path` with the engine compiled in for its architecture, on `opts.backend`, every data
+/// page checked against its blake3 ([`Integrity::Verify`]).
 pub fn open(path: &Path, opts: &Options) -> Result<Session, Error> {
-    let archive = Archive::open(path).map_err(|source| Error::Archive { path: path.display().to_string(), source })?;
+    open_with(path, opts, Integrity::Verify)
+}
+
+/// [`open`], with the page check as `integrity` says.
+///
+/// The check overlaps loading: the pages are hashed on threads of their own from the moment
+/// the page table is trusted, while the tokenizer loads and the engine binds its weights (the
+/// CPU engine: views into the mapped file) or copies them to the GPU, and the session is
+/// returned only once every page matched. So no token is ever computed from a byte that was not
+/// checked: binding reads at most scale sections (and a bind error is reported as the damage
+/// when the pages are damaged), a GPU upload of a damaged page is dropped unused. The CPU engine
+/// computes from the mapped file itself, so what is checked is the file as it is while it is
+/// open: like every mmap reader (llama.cpp's too), this guards against damage at rest
+/// (truncation, flipped bits, a tampered page), not against another process rewriting the file
+/// while it runs. Hashing as pages are first touched would overlap more on the CPU, but the
+/// generated engines read their weights in the hot loop without a hook for it.
+pub fn open_with(path: &Path, opts: &Options, integrity: Integrity) -> Result<Session, Error> {
+    let shown = || path.display().to_string();
+    let (archive, check) = match integrity {
+        Integrity::Verify => {
+            let (a, check) = Archive::open_checking_pages(path).map_err(|error| Error::Archive { path: shown(), error })?;
+            (a, Some(check))
+        }
+        Integrity::Trust => (Archive::open(path).map_err(|error| Error::Archive { path: shown(), error })?, None),
+    };
     // Archive::open loaded the tokenizer and exercised it and the chat template.
     let tokenizer = archive.tokenizer().clone();
     let archive = Arc::new(archive);
     let m = archive.manifest();
     let arch = thin_generated::arch_name(&m.shape_fingerprint).unwrap_or("?");
-    let ctx = opts.ctx.unwrap_or(4096).min(m.arch.max_position_embeddings.max(1) as usize);
+    let model_max = m.arch.max_position_embeddings.max(1);
+    let ctx = match opts.ctx {
+        Some(ctx) if ctx as u64 > model_max => return Err(Error::CtxAboveModel { ctx, model_max }),
+        Some(ctx) => ctx,
+        None => DEFAULT_CTX.min(model_max as usize),
+    };
     let cuda = CudaOptions { ctx, progress: opts.progress, timeline: opts.timeline };
     let cpu = |a: Arc<Archive>| -> Result<Box<dyn LoadedEngine>, Error> {
         let (max_seq, model_max) = (cpu_max_seq(&a.manifest().arch), a.manifest().arch.max_position_embeddings);
@@ -250,19 +304,22 @@ pub fn open(path: &Path, opts: &Options) -> Result<Session, Error> {
         }
         Ok(if ctx < max_seq { Box::new(CtxLimit { inner: engine, pos: 0, ctx }) } else { Box::new(engine) })
     };
-    let (engine, backend) = match opts.backend {
-        Backend::Cpu => (cpu(archive.clone())?, "cpu"),
-        Backend::Cuda => (open_cuda(&archive, &cuda)?, "cuda"),
+    let loaded = match opts.backend {
+        Backend::Cpu => cpu(archive.clone()).map(|e| (e, "cpu")),
+        Backend::Cuda => open_cuda(&archive, &cuda).map(|e| (e, "cuda")),
         Backend::Auto if cfg!(feature = "cuda") => match open_cuda(&archive, &cuda) {
-            Ok(e) => (e, "cuda"),
+            Ok(e) => Ok((e, "cuda")),
             Err(e) => {
                 eprintln!("CUDA backend unavailable ({e}); using the CPU backend");
-                (cpu(archive.clone())?, "cpu")
+                cpu(archive.clone()).map(|e| (e, "cpu"))
             }
         },
-        Backend::Auto => (cpu(archive.clone())?, "cpu"),
+        Backend::Auto => cpu(archive.clone()).map(|e| (e, "cpu")),
     };
-    Ok(Session { archive, tokenizer, engine, backend, arch, ctx })
+    // Damaged pages explain any load error too, so they are reported first.
+    let pages_checked = check.map(|c| c.wait()).transpose().map_err(|damage| Error::Damaged { path: shown(), damage })?;
+    let (engine, backend) = loaded?;
+    Ok(Session { archive, tokenizer, engine, backend, arch, ctx, pages_checked })
 }
 
 /// Whether generation goes on after a token.
@@ -460,11 +517,16 @@ impl Session {
         self.arch
     }
 
-    /// Positions a prompt and its answer may take together: `Options::ctx` (4096 when not given)
-    /// capped at the model's maximum. A CPU engine holds [`cpu_max_seq`] positions: a larger
-    /// `ctx` is refused at open, a smaller one ends generation there.
+    /// Positions a prompt and its answer may take together: `Options::ctx` ([`DEFAULT_CTX`] or
+    /// the model's maximum if smaller, when not given). A CPU engine holds [`cpu_max_seq`]
+    /// positions: a larger `ctx` is refused at open, a smaller one ends generation there.
     pub fn ctx(&self) -> usize {
         self.ctx
+    }
+
+    /// What the page check at open covered (`None`: opened with [`Integrity::Trust`]).
+    pub fn pages_checked(&self) -> Option<PagesChecked> {
+        self.pages_checked
     }
 
     /// The engine itself (benchmarks, teacher-forced logits).

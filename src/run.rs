@@ -20,22 +20,23 @@ pub enum OutputFormat {
     Jsonl,
 }
 
-/// What `run`, `chat` (and the server's defaults) share, as llama-cli spells it: where the
-/// engine runs, how much context it holds, a system message, stop strings, and how each token is
-/// chosen.
+/// What `run`, `chat` and `serve` share, as llama-cli spells it: where the engine runs, how much
+/// context it holds, whether its pages are checked, a system message, stop strings, and how each
+/// token is chosen (for `serve`: for each request that does not say).
 #[derive(Args, Debug, Clone)]
 pub struct RunControl {
     #[arg(long, value_enum, default_value = "auto")]
     pub backend: thin::Backend,
-    /// Positions a prompt and its answer may take together (default 4096, at most the model's
-    /// maximum; a CPU engine holds at most min(4096, the model's maximum)).
+    /// Positions a prompt and its answer may take together (default 4096, or the model's maximum
+    /// if smaller; more than the model's maximum is refused; a CPU engine holds at most
+    /// min(4096, the model's maximum)).
     #[arg(long, value_parser = ctx)]
     pub ctx: Option<usize>,
     /// A system message before the user's (`run` needs --chat; `chat` keeps it when old turns are
-    /// dropped).
+    /// dropped; `serve` puts it first in chat requests that bring none).
     #[arg(long)]
     pub system: Option<String>,
-    /// Stop before this text (not printed); repeat for several.
+    /// Stop before this text (not printed); repeat for several (`serve`: added to each request's).
     #[arg(long = "stop", value_name = "STR")]
     pub stop: Vec<String>,
     /// 0 is greedy (argmax).
@@ -58,9 +59,14 @@ pub struct RunControl {
     /// How many of the latest tokens the repetition penalty looks at; 0 is off.
     #[arg(long, default_value_t = DEFAULT_REPEAT_LAST_N, allow_negative_numbers = true, value_parser = repeat_last_n)]
     pub repeat_last_n: usize,
-    /// Seed of the sampler's RNG: the same seed gives the same tokens.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    /// Seed of the sampler's RNG: the same seed gives the same tokens [default: 0; serve: a new
+    /// seed for each request that gives none].
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Skip the blake3 check of the archive's pages at load (a damaged weight then goes
+    /// unnoticed).
+    #[arg(long)]
+    pub no_verify: bool,
 }
 
 // Flags are checked as clap parses them (negative numbers reach these parsers instead of clap's
@@ -118,22 +124,21 @@ impl RunControl {
             min_p: self.min_p,
             repeat_penalty: self.repeat_penalty,
             repeat_last_n: self.repeat_last_n,
-            seed: self.seed,
+            seed: self.seed.unwrap_or(0),
         }
     }
 
-    /// The session for `model` on `--backend` with `--ctx`; a context above the model's own
-    /// maximum is refused here (the library caps it, which a user asking for more should hear).
+    /// The session for `model` on `--backend` with `--ctx` (above the model's maximum: refused,
+    /// naming both), its pages checked unless `--no-verify`, which says so once.
     pub fn open(&self, model: &Path) -> anyhow::Result<Session> {
-        if let Some(ctx) = self.ctx {
-            let a = Archive::open(model).with_context(|| format!("opening {}", model.display()))?;
-            let max = a.manifest().arch.max_position_embeddings;
-            if ctx as u64 > max {
-                bail!("--ctx {ctx} is more than the model's maximum of {max} positions ({})", model.display());
-            }
-        }
-        thin::open(model, &thin::Options { backend: self.backend, ctx: self.ctx, progress: true, ..Default::default() })
-            .with_context(|| format!("no engine for {}", model.display()))
+        let integrity = if self.no_verify {
+            eprintln!("--no-verify: the pages of {} are not checked against their blake3", model.display());
+            thin::Integrity::Trust
+        } else {
+            thin::Integrity::Verify
+        };
+        let opts = thin::Options { backend: self.backend, ctx: self.ctx, progress: true, ..Default::default() };
+        thin::open_with(model, &opts, integrity).with_context(|| format!("loading {}", model.display()))
     }
 
     /// `--system` as the conversation's first message.

@@ -185,7 +185,7 @@ fn bad_input_is_refused_by_name() {
     let e = eval_err(&model, &short, &["--ctx", "16"]);
     assert!(e.contains("tokenizes to 31 tokens") && e.contains("at least 32"), "{e}");
     let e = eval_err(&model, &text(), &["--ctx", "300"]);
-    assert!(e.contains("--ctx 300 is larger than the context") && e.contains("256 positions"), "{e}");
+    assert!(e.contains("--ctx 300 is more than the model's maximum of 256 positions"), "{e}");
     assert!(eval_err(&model, &text(), &["--ctx", "2"]).contains("too small"));
     assert!(eval_err(&model, &text(), &["--chunks", "0"]).contains("--chunks"));
 

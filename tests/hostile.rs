@@ -226,3 +226,52 @@ fn gguf_declaring_layers(layers: u32) -> Vec<u8> {
     b.extend_from_slice(&[0u8; 16]);
     b
 }
+
+/// Issue 24 point 4: one flipped bit in a weight page. `run` (and `chat`, `serve`, `bench`)
+/// refuse the archive before computing a token, naming the page, its tensor and both hashes;
+/// `--no-verify` runs it and says so once.
+#[test]
+fn a_damaged_weight_page_is_refused_by_every_command_that_loads_it() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let a = tmp.path().join("llama-tiny.thin");
+    convert_fixture("llama-tiny", &a);
+    let run = ["run", utf8(&a), "--backend", "cpu", "--prompt-ids", "5,6,7", "--max-tokens", "2"];
+    let clean = thin(&run);
+    assert!(clean.status.success(), "{}", stderr(&clean));
+
+    let archive = thin_core::format::Archive::open(&a).expect("open");
+    let t = archive.manifest().tensors.iter().find(|t| t.name == "blk.1.ffn_down").expect("tensor").clone();
+    let page = archive.pages()[t.first_page as usize].clone();
+    drop(archive);
+    let mut bytes = std::fs::read(&a).expect("read");
+    let at = (page.offset + page.stored_size / 2) as usize;
+    bytes[at] ^= 0x10;
+    std::fs::write(&a, &bytes).expect("write");
+    let expected = blake3::Hash::from(page.blake3).to_hex().to_string();
+    let found = blake3::hash(&bytes[page.offset as usize..(page.offset + page.stored_size) as usize]).to_hex().to_string();
+    let want = format!(
+        "page {} of tensor blk.1.ffn_down is damaged: its bytes hash to blake3 {found}, the page table records {expected}; no token was computed from it",
+        page.page_id
+    );
+
+    let o = thin(&run);
+    let err = assert_typed_error(&o, "run");
+    assert_eq!(err.trim_end(), format!("error: loading {}: {want} (`thin verify` checks the whole archive; --no-verify skips this check)", a.display()));
+    assert!(o.stdout.is_empty(), "{}", String::from_utf8_lossy(&o.stdout));
+    for args in [
+        vec!["chat", utf8(&a), "--backend", "cpu"],
+        vec!["serve", utf8(&a), "--backend", "cpu", "--port", "0"],
+        vec!["bench", utf8(&a), "--backend", "cpu", "--ctx", "64", "--steps", "1", "--reps", "1"],
+    ] {
+        let o = Command::new(env!("CARGO_BIN_EXE_thin")).args(&args).stdin(std::process::Stdio::null()).output().expect("run thin");
+        assert!(assert_typed_error(&o, args[0]).contains(&want), "{}: {}", args[0], stderr(&o));
+    }
+
+    // --no-verify: the damaged archive runs (the flipped bit changes one weight of one layer),
+    // and the skipped check is said once.
+    let o = thin(&[&run[..], &["--no-verify"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert_eq!(err.matches("--no-verify").count(), 1, "{err}");
+    assert!(err.starts_with(&format!("--no-verify: the pages of {} are not checked against their blake3\n", a.display())), "{err}");
+}

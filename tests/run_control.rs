@@ -229,13 +229,18 @@ fn ctx_is_honoured_below_the_engine_limit_and_refused_above_the_models() {
     let (_, err) = fails(&["run", utf8(&a), "--prompt-ids", &ids_arg(&[5; 25]), "--ctx", "20"]);
     assert!(err.contains("max_seq 20"), "{err}");
 
-    // Above the model's maximum (256 positions), refused before anything runs.
-    let (code, err) = fails(&["run", utf8(&a), "--prompt", "hi", "--ctx", "300"]);
-    assert_eq!(code, Some(1));
-    assert!(err.contains("--ctx 300 is more than the model's maximum of 256 positions"), "{err}");
-    let (code, err) = fails(&["chat", utf8(&a), "--ctx", "300"]);
-    assert_eq!(code, Some(1));
-    assert!(err.contains("model's maximum of 256"), "{err}");
+    // Above the model's maximum (256 positions), refused before anything runs, by the three
+    // commands alike (the library's typed error, not a cap).
+    let want = format!("error: loading {}: --ctx 300 is more than the model's maximum of 256 positions\n", utf8(&a));
+    for args in [vec!["run", utf8(&a), "--prompt", "hi"], vec!["chat", utf8(&a)], vec!["serve", utf8(&a), "--port", "0"]] {
+        let (code, err) = fails(&[&args[..], &["--ctx", "300"]].concat());
+        assert_eq!((code, err.as_str()), (Some(1), want.as_str()), "{}", args[0]);
+    }
+    let e = thin::open(&a, &thin::Options { ctx: Some(257), ..Default::default() }).err().expect("refused");
+    assert!(matches!(e, thin::Error::CtxAboveModel { ctx: 257, model_max: 256 }), "{e}");
+    // At the maximum: taken as asked.
+    let s = thin::open(&a, &thin::Options { ctx: Some(256), ..Default::default() }).expect("opens");
+    assert_eq!(s.ctx(), 256);
     let (code, err) = fails(&["run", utf8(&a), "--prompt", "hi", "--ctx", "0"]);
     assert_eq!(code, Some(2), "{err}");
 }

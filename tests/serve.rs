@@ -314,6 +314,46 @@ fn answers_equal_thin_run_with_the_same_settings() {
     assert_eq!(r["usage"]["completion_tokens"], 6);
 }
 
+/// `thin serve` takes `thin run`'s run-control flags: the sampling flags and `--seed` are the
+/// defaults of requests that do not say, `--system` goes first in chat requests that bring no
+/// system message, `--stop` is added to every request's.
+#[test]
+fn the_run_control_flags_are_the_defaults_of_requests() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let a = tiny(tmp.path());
+    // The stop string: an ASCII character of the greedy completion that does not begin it.
+    let (full, ..) = run(&a, &["--prompt", "The quick brown fox", "--max-tokens", "12"]);
+    let stop = full.chars().find(|&c| c.is_ascii_graphic() && full.find(c).is_some_and(|i| i > 0)).expect("an ASCII character").to_string();
+    let cut = &full[..full.find(&stop).expect("stop string in the text")];
+    assert!(!cut.is_empty() && cut.len() < full.len(), "{full:?}");
+    let sys = "Answer briefly.";
+    let s = Served::start(&a, &["--temperature", "1", "--top-k", "0", "--top-p", "1", "--seed", "7", "--system", sys, "--stop", &stop, "--ctx", "200"]);
+    assert_eq!(http(s.addr, "GET", "/v1/models", &[], b"").json()["data"][0]["context_length"], 200);
+
+    // Nothing but the messages: `thin run --chat --system` with the same sampling and seed, cut
+    // before the stop string (jsonl lists whole tokens), twice the same text.
+    let (sampled, ..) = run(&a, &["--chat", "--system", sys, "--prompt", "hi there", "--max-tokens", "10", "--temperature", "1", "--seed", "7"]);
+    let want = &sampled[..sampled.find(&stop).unwrap_or(sampled.len())];
+    assert!(!want.is_empty(), "{sampled:?} begins with {stop:?}");
+    let body = json!({"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 10});
+    for _ in 0..2 {
+        assert_eq!(s.ok("/v1/chat/completions", &body)["choices"][0]["message"]["content"].as_str(), Some(want));
+    }
+    // Without --seed each request would draw its own: the seed is what makes these equal.
+    let (other, ..) = run(&a, &["--chat", "--system", sys, "--prompt", "hi there", "--max-tokens", "10", "--temperature", "1", "--seed", "8"]);
+    assert_ne!(other, sampled, "seeds 7 and 8 give the same text: the check above proves nothing");
+    // A request's own system message and fields win.
+    let (want, ..) = run(&a, &["--chat", "--system", "Other.", "--prompt", "hi there", "--max-tokens", "10"]);
+    let body = json!({"messages": [{"role": "system", "content": "Other."}, {"role": "user", "content": "hi there"}], "max_tokens": 10, "temperature": 0, "stop": "\u{1}"});
+    let r = s.ok("/v1/chat/completions", &body);
+    let text = r["choices"][0]["message"]["content"].as_str().expect("text");
+    // --stop still applies on top of the request's own stop string.
+    assert_eq!(text, &want[..want.find(&stop).unwrap_or(want.len())]);
+    // --stop on a completion: the greedy text cut before it.
+    let r = s.ok("/v1/completions", &json!({"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}));
+    assert_eq!((r["choices"][0]["text"].as_str(), r["choices"][0]["finish_reason"].as_str()), (Some(cut), Some("stop")));
+}
+
 #[test]
 fn bad_input_is_a_4xx_with_an_error_object_and_the_next_request_is_served() {
     let tmp = tempfile::tempdir().expect("tempdir");
@@ -382,6 +422,36 @@ fn bad_input_is_a_4xx_with_an_error_object_and_the_next_request_is_served() {
     let waited = start.elapsed().as_secs_f64();
     assert!((0.8..10.0).contains(&waited), "408 after {waited} s");
     still_served("a slow client");
+
+    // A client that sends its request head slowly, a header line every 200 ms, or connects and
+    // sends nothing: disconnected once --timeout (1 s) has passed since it connected, however
+    // it trickles; others are served meanwhile and after.
+    for trickle in [true, false] {
+        let mut slow = connect(s.addr);
+        let start = Instant::now();
+        slow.set_read_timeout(Some(Duration::from_millis(200))).expect("timeout");
+        slow.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n").expect("write");
+        still_served("a slow head, meanwhile");
+        let mut raw = Vec::new();
+        let closed = loop {
+            assert!(start.elapsed() < Duration::from_secs(10), "still open after 10 s (trickle {trickle})");
+            if trickle && slow.write_all(b"X-Slow: 1\r\n").is_err() {
+                break start.elapsed();
+            }
+            let mut buf = [0u8; 512];
+            match slow.read(&mut buf) {
+                Ok(0) => break start.elapsed(),
+                Ok(n) => raw.extend_from_slice(&buf[..n]),
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+                Err(_) => break start.elapsed(), // reset by the server
+            }
+        };
+        let closed = closed.as_secs_f64();
+        assert!((0.9..3.0).contains(&closed), "trickle {trickle}: closed after {closed} s");
+        // hyper closes it without an answer, or with a 408; never anything else.
+        assert!(raw.is_empty() || raw.starts_with(b"HTTP/1.1 408"), "{}", String::from_utf8_lossy(&raw));
+        still_served("a slow head");
+    }
 
     // Bytes that are not HTTP at all; a client that connects and leaves.
     let mut junk = connect(s.addr);

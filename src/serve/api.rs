@@ -79,19 +79,13 @@ pub struct CompletionRequest {
     pub include_usage: bool,
 }
 
-/// Sampling when a request does not say (llama-server's defaults; `temperature: 0` is greedy).
-pub const DEFAULT_TEMPERATURE: f32 = 0.8;
-pub const DEFAULT_TOP_K: usize = 40;
-pub const DEFAULT_TOP_P: f32 = 0.95;
-/// `min_p` and `repeat_penalty` are off unless a request asks (llama-server's names and ranges).
-pub const DEFAULT_MIN_P: f32 = 0.0;
-pub const DEFAULT_REPEAT_PENALTY: f32 = 1.0;
 /// Most stop strings a request may give (OpenAI allows 4).
 pub const MAX_STOP_STRINGS: usize = 16;
 
 /// Reads a request body. `model` is the one model served (a request naming another is a 404);
-/// `seed` is used when the request gives none.
-pub fn parse_request(body: &[u8], endpoint: Endpoint, model: &str, seed: u64) -> Result<CompletionRequest, ApiError> {
+/// `defaults` is the sampling of fields the request does not give (the server's flags; its seed
+/// is this request's).
+pub fn parse_request(body: &[u8], endpoint: Endpoint, model: &str, defaults: &SamplerConfig) -> Result<CompletionRequest, ApiError> {
     let v: Value = serde_json::from_slice(body).map_err(|e| {
         ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", Some("invalid_json"), format!("the request body is not valid JSON: {e}"))
     })?;
@@ -142,29 +136,29 @@ pub fn parse_request(body: &[u8], endpoint: Endpoint, model: &str, seed: u64) ->
         Some((n, _)) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
         None => None,
     };
-    let temperature = f.num("temperature")?.unwrap_or(DEFAULT_TEMPERATURE as f64);
+    let temperature = f.num("temperature")?.unwrap_or(defaults.temperature as f64);
     if !(temperature.is_finite() && temperature >= 0.0) {
         return Err(ApiError::invalid("temperature", format!("temperature is {temperature}; it must be a number >= 0 (0 is greedy)")));
     }
-    let top_p = f.num("top_p")?.unwrap_or(DEFAULT_TOP_P as f64);
+    let top_p = f.num("top_p")?.unwrap_or(defaults.top_p as f64);
     if !(0.0..=1.0).contains(&top_p) {
         return Err(ApiError::invalid("top_p", format!("top_p is {top_p}; it must be in [0, 1] (1: no cut)")));
     }
     let top_k = match f.int("top_k")? {
         Some(k) if k < 0 => return Err(ApiError::invalid("top_k", format!("top_k is {k}; it must be >= 0 (0: no cut)"))),
         Some(k) => usize::try_from(k).unwrap_or(usize::MAX),
-        None => DEFAULT_TOP_K,
+        None => defaults.top_k,
     };
-    let min_p = f.num("min_p")?.unwrap_or(DEFAULT_MIN_P as f64);
+    let min_p = f.num("min_p")?.unwrap_or(defaults.min_p as f64);
     if !(0.0..=1.0).contains(&min_p) {
         return Err(ApiError::invalid("min_p", format!("min_p is {min_p}; it must be in [0, 1] (0: no cut)")));
     }
-    let repeat_penalty = f.num("repeat_penalty")?.unwrap_or(DEFAULT_REPEAT_PENALTY as f64);
+    let repeat_penalty = f.num("repeat_penalty")?.unwrap_or(defaults.repeat_penalty as f64);
     if !(repeat_penalty.is_finite() && repeat_penalty > 0.0) {
         return Err(ApiError::invalid("repeat_penalty", format!("repeat_penalty is {repeat_penalty}; it must be a number > 0 (1: off)")));
     }
     // OpenAI's seed is a signed 64-bit integer; its bits seed the RNG.
-    let seed = f.int("seed")?.map_or(seed, |s| s as u64);
+    let seed = f.int("seed")?.map_or(defaults.seed, |s| s as u64);
     let stop = stop_strings(o.get("stop"))?;
     let stream = f.bool("stream")?.unwrap_or(false);
     let include_usage = match o.get("stream_options") {
@@ -178,8 +172,8 @@ pub fn parse_request(body: &[u8], endpoint: Endpoint, model: &str, seed: u64) ->
         top_p: top_p as f32,
         min_p: min_p as f32,
         repeat_penalty: repeat_penalty as f32,
+        repeat_last_n: defaults.repeat_last_n,
         seed,
-        ..SamplerConfig::default()
     };
     Ok(CompletionRequest { input, max_tokens, sampling, stop, stream, include_usage })
 }
@@ -426,12 +420,16 @@ impl Head {
 mod tests {
     use super::*;
 
+    /// `thin serve`'s default flags (llama-server's sampling), seed 99 for the request.
+    const DEFAULTS: SamplerConfig =
+        SamplerConfig { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.0, repeat_penalty: 1.0, repeat_last_n: 64, seed: 99 };
+
     fn chat(body: &str) -> Result<CompletionRequest, ApiError> {
-        parse_request(body.as_bytes(), Endpoint::Chat, "m", 99)
+        parse_request(body.as_bytes(), Endpoint::Chat, "m", &DEFAULTS)
     }
 
     fn completion(body: &str) -> Result<CompletionRequest, ApiError> {
-        parse_request(body.as_bytes(), Endpoint::Completions, "m", 99)
+        parse_request(body.as_bytes(), Endpoint::Completions, "m", &DEFAULTS)
     }
 
     fn err(r: Result<CompletionRequest, ApiError>) -> (u16, Option<String>, String) {
@@ -462,11 +460,12 @@ mod tests {
     fn defaults_apply_to_absent_and_null_fields() {
         let r = chat(r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":null,"temperature":null,"stop":"END"}"#).expect("valid");
         assert_eq!(r.max_tokens, None);
-        assert_eq!(
-            r.sampling,
-            SamplerConfig { temperature: DEFAULT_TEMPERATURE, top_k: DEFAULT_TOP_K, top_p: DEFAULT_TOP_P, min_p: 0.0, repeat_penalty: 1.0, repeat_last_n: 64, seed: 99 }
-        );
+        assert_eq!(r.sampling, DEFAULTS);
         assert_eq!(r.stop, ["END"]);
+        // Other server flags: their values, and the request's fields still win.
+        let flags = SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.05, repeat_penalty: 1.1, repeat_last_n: 16, seed: 7 };
+        let r = parse_request(br#"{"prompt":"x","top_k":5}"#, Endpoint::Completions, "m", &flags).expect("valid");
+        assert_eq!(r.sampling, SamplerConfig { top_k: 5, ..flags });
         assert!(!r.stream && !r.include_usage);
         let r = chat(r#"{"messages":[{"role":"user","content":"x"}],"max_completion_tokens":3.0}"#).expect("valid");
         assert_eq!(r.max_tokens, Some(3));

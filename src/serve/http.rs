@@ -17,11 +17,26 @@ use axum::{Json, Router};
 use futures_util::StreamExt;
 use serde_json::json;
 use thin::GenerateOptions;
-use thin_core::tokenizer::{TextTokenizer, TokenizerError};
+use thin_core::sampler::SamplerConfig;
+use thin_core::tokenizer::{ChatMessage, TextTokenizer, TokenizerError};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::api::{parse_request, ApiError, Endpoint, Head, Input};
 use super::worker::{Event, Job};
+
+/// What a request gets for what it does not say: the run-control flags `thin serve` was started
+/// with.
+pub struct RequestDefaults {
+    /// `seed` aside: see [`RequestDefaults::seed`].
+    pub sampling: SamplerConfig,
+    /// `--seed`: the seed of every request that gives none; without it each such request gets
+    /// a new one.
+    pub seed: Option<u64>,
+    /// `--system`: first in a chat request's messages when they bring no system message.
+    pub system: Option<ChatMessage>,
+    /// `--stop`: added to each request's own stop strings.
+    pub stop: Vec<String>,
+}
 
 /// What every handler shares.
 pub struct Server {
@@ -35,6 +50,7 @@ pub struct Server {
     pub max_body_bytes: usize,
     /// How long a request body may take to arrive.
     pub timeout: Duration,
+    pub defaults: RequestDefaults,
     pub started: u64,
     requests: AtomicU64,
 }
@@ -49,8 +65,9 @@ impl Server {
         api_key: Option<String>,
         max_body_bytes: usize,
         timeout: Duration,
+        defaults: RequestDefaults,
     ) -> Server {
-        Server { model, ctx, tokenizer, jobs, api_key, max_body_bytes, timeout, started: unix_now(), requests: AtomicU64::new(0) }
+        Server { model, ctx, tokenizer, jobs, api_key, max_body_bytes, timeout, defaults, started: unix_now(), requests: AtomicU64::new(0) }
     }
 }
 
@@ -154,7 +171,12 @@ impl Server {
     /// Prompt ids: the messages through the archive's chat template, or the prompt text encoded.
     fn tokenize(&self, input: Input) -> Result<Vec<u32>, ApiError> {
         let (param, ids) = match input {
-            Input::Messages(m) => ("messages", self.tokenizer.render_chat(&m).and_then(|text| self.tokenizer.encode(&text))),
+            Input::Messages(mut m) => {
+                if let Some(system) = self.defaults.system.as_ref().filter(|_| m.first().is_none_or(|first| first.role != "system")) {
+                    m.insert(0, system.clone());
+                }
+                ("messages", self.tokenizer.render_chat(&m).and_then(|text| self.tokenizer.encode(&text)))
+            }
             Input::Text(t) => ("prompt", self.tokenizer.encode(&t)),
             Input::Ids(ids) => {
                 let vocab = self.tokenizer.vocab_size();
@@ -202,7 +224,13 @@ async fn complete(s: Arc<Server>, endpoint: Endpoint, headers: HeaderMap, body: 
     s.authorize(&headers)?;
     let body = s.read_body(&headers, body).await?;
     let n = s.requests.fetch_add(1, Ordering::Relaxed) + 1;
-    let req = parse_request(&body, endpoint, &s.model, s.fresh_seed(n))?;
+    let defaults = SamplerConfig { seed: s.defaults.seed.unwrap_or_else(|| s.fresh_seed(n)), ..s.defaults.sampling };
+    let mut req = parse_request(&body, endpoint, &s.model, &defaults)?;
+    for stop in &s.defaults.stop {
+        if !stop.is_empty() && !req.stop.contains(stop) {
+            req.stop.push(stop.clone());
+        }
+    }
     drop(body);
     let param = if endpoint == Endpoint::Chat { "messages" } else { "prompt" };
     // Templates and tokenizers take time on long inputs: off the connection threads.

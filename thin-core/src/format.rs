@@ -8,6 +8,9 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
 
 use rayon::prelude::*;
 
@@ -98,8 +101,8 @@ pub enum FormatError {
     NonZeroPadding { offset: u64 },
     #[error("archive hash mismatch (manifest or page table corrupted)")]
     ArchiveHash,
-    #[error("page {page} checksum mismatch (tensor {tensor})")]
-    PageChecksum { page: u64, tensor: String },
+    #[error("page {page} of tensor {tensor} is damaged: its bytes hash to blake3 {found}, the page table records {expected}")]
+    PageChecksum { page: u64, tensor: String, expected: String, found: String },
     #[error("tensor {tensor} checksum differs from the manifest's validation entry")]
     TensorChecksum { tensor: String },
     #[error("tensor {tensor}: manifest disagrees with page table: {reason}")]
@@ -128,6 +131,8 @@ pub enum FormatError {
     InvalidMaxPageSize(u64),
     #[error("unsupported platform: {0}")]
     UnsupportedPlatform(&'static str),
+    #[error("checking the pages: {0}")]
+    PageCheckThread(String),
     #[error("the archive's tokenizer or chat template: {0}")]
     Tokenizer(#[from] TokenizerError),
 }
@@ -500,7 +505,8 @@ impl Drop for ArchiveWriter {
 // Reader
 
 pub struct Archive {
-    mmap: memmap2::Mmap,
+    /// Shared with a [`PageCheck`] hashing the pages on its own thread.
+    mmap: std::sync::Arc<memmap2::Mmap>,
     header: Header,
     manifest: Manifest,
     pages: Vec<PageEntry>,
@@ -625,12 +631,129 @@ fn elements<'a, T: Pod>(t: &TensorEntry, b: &'a [u8]) -> Result<&'a [T], FormatE
     Ok(mid)
 }
 
+/// Archives this large hash their pages on several threads; below it threads cost more than
+/// they save.
+const PARALLEL_HASH_BYTES: u64 = 8 << 20;
+
+/// Each tensor's pages (`first_page..first_page + page_count`) and its name: who owns a page.
+type PageOwners = Vec<(u64, u64, String)>;
+
+fn page_owners(m: &Manifest) -> PageOwners {
+    m.tensors.iter().map(|t| (t.first_page as u64, t.first_page as u64 + t.page_count as u64, t.name.clone())).collect()
+}
+
+fn owner_of(owners: &PageOwners, page: usize) -> String {
+    let page = page as u64;
+    owners.iter().find(|(first, end, _)| (*first..*end).contains(&page)).map_or_else(|| "<none>".to_string(), |(_, _, n)| n.clone())
+}
+
+/// The blake3 of every page against its page-table entry (pages in parallel on a large
+/// archive, a large page's chunks too). The lowest damaged page is the error, named with its
+/// tensor and both hashes. Returns the bytes hashed; once `stop` is set the pages left are
+/// skipped (nobody waits for the answer any more).
+fn check_page_hashes(data: &[u8], pages: &[PageEntry], owners: &PageOwners, stop: &AtomicBool) -> Result<u64, FormatError> {
+    // `Some(found)` for a damaged page.
+    let damaged = |p: &PageEntry| -> Option<String> {
+        if stop.load(Ordering::Relaxed) {
+            return None;
+        }
+        let bytes = usize::try_from(p.offset).ok().and_then(|s| Some(s..s.checked_add(usize::try_from(p.stored_size).ok()?)?)).and_then(|r| data.get(r));
+        let Some(bytes) = bytes else { return Some("<outside the file>".into()) };
+        let mut h = blake3::Hasher::new();
+        if bytes.len() >= 1 << 20 {
+            h.update_rayon(bytes);
+        } else {
+            h.update(bytes);
+        }
+        let found = h.finalize();
+        (found.as_bytes() != &p.blake3).then(|| found.to_hex().to_string())
+    };
+    let total: u64 = pages.iter().map(|p| p.stored_size).sum();
+    let bad = if total >= PARALLEL_HASH_BYTES {
+        pages.par_iter().enumerate().find_map_first(|(i, p)| damaged(p).map(|f| (i, f)))
+    } else {
+        pages.iter().enumerate().find_map(|(i, p)| damaged(p).map(|f| (i, f)))
+    };
+    match bad {
+        Some((i, found)) => Err(FormatError::PageChecksum {
+            page: i as u64,
+            tensor: owner_of(owners, i),
+            expected: blake3::Hash::from(pages[i].blake3).to_hex().to_string(),
+            found,
+        }),
+        None => Ok(total),
+    }
+}
+
+/// What a finished page check covered.
+#[derive(Debug, Clone, Copy)]
+pub struct PagesChecked {
+    pub pages: u64,
+    pub bytes: u64,
+    /// How long the hashing took on its thread.
+    pub seconds: f64,
+}
+
+/// The blake3 check of every data page of an archive, running on a thread of its own
+/// ([`Archive::open_checking_pages`]). Dropped without [`PageCheck::wait`], it stops at the next
+/// page.
+pub struct PageCheck {
+    thread: std::thread::JoinHandle<Result<PagesChecked, FormatError>>,
+    _stop_when_dropped: StopFlag,
+}
+
+/// Sets its flag when dropped.
+struct StopFlag(Arc<AtomicBool>);
+
+impl Drop for StopFlag {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+impl PageCheck {
+    fn start(path: &Path, mmap: Arc<memmap2::Mmap>, pages: Vec<PageEntry>, owners: PageOwners) -> Result<PageCheck, FormatError> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("thin-page-check".into())
+            .spawn(move || {
+                let start = Instant::now();
+                let bytes = check_page_hashes(&mmap, &pages, &owners, &flag)?;
+                Ok(PagesChecked { pages: pages.len() as u64, bytes, seconds: start.elapsed().as_secs_f64() })
+            })
+            .map_err(io_err(path))?;
+        Ok(PageCheck { thread, _stop_when_dropped: StopFlag(stop) })
+    }
+
+    /// Blocks until every page is hashed: `Ok` when all match the page table, else the first
+    /// damaged page ([`FormatError::PageChecksum`]).
+    pub fn wait(self) -> Result<PagesChecked, FormatError> {
+        self.thread.join().map_err(|p| FormatError::PageCheckThread(crate::tokenizer::panic_message(&*p)))?
+    }
+}
+
 impl Archive {
     /// Reads and validates header, page table and manifest (no page hashing), and loads what the
     /// manifest embeds for other libraries: the tokenizer (parsed, a probe text encoded and
     /// decoded, every id decoded) and the chat template (rendered once), so an archive whose
     /// tokenizer or template fails, loops or crashes its library is refused here, by every command.
     pub fn open(path: &Path) -> Result<Archive, FormatError> {
+        Archive::open_inner(path, false).map(|(a, _)| a)
+    }
+
+    /// [`Archive::open`], with the blake3 of every data page checked on a thread of its own
+    /// from the moment the page table is trusted (its hash is the header's): the hashing runs
+    /// while the tokenizer loads here and while the caller goes on (binding an engine,
+    /// uploading weights). Nothing may compute from the pages before [`PageCheck::wait`] says
+    /// they are whole.
+    pub fn open_checking_pages(path: &Path) -> Result<(Archive, PageCheck), FormatError> {
+        let (a, check) = Archive::open_inner(path, true)?;
+        let check = check.ok_or(FormatError::PageCheckThread("no page check was started".into()))?;
+        Ok((a, check))
+    }
+
+    fn open_inner(path: &Path, hash_pages: bool) -> Result<(Archive, Option<PageCheck>), FormatError> {
         if cfg!(target_endian = "big") {
             return Err(FormatError::UnsupportedPlatform("big-endian hosts cannot map archives zero-copy"));
         }
@@ -657,9 +780,11 @@ impl Archive {
         check_pages(&pages, header.data_off, header.page_table_off)?;
         let manifest: Manifest = serde_json::from_slice(m_bytes).map_err(|e| FormatError::ManifestJson(e.to_string()))?;
         validate_manifest(&manifest, &pages)?;
+        let mmap = std::sync::Arc::new(mmap);
+        let check = if hash_pages { Some(PageCheck::start(path, mmap.clone(), pages.clone(), page_owners(&manifest))?) } else { None };
         let tokenizer = TextTokenizer::from_info(&manifest.tokenizer)?;
         tokenizer.check_chat_template()?;
-        Ok(Archive { mmap, header, manifest, pages, file_len, tokenizer: std::sync::Arc::new(tokenizer) })
+        Ok((Archive { mmap, header, manifest, pages, file_len, tokenizer: std::sync::Arc::new(tokenizer) }, check))
     }
 
     /// The embedded tokenizer (checked at open), shared.
@@ -777,34 +902,9 @@ impl Archive {
 
     /// Hashes every page and every tensor and compares with the page table and the manifest.
     pub fn verify(&self) -> Result<VerifyReport, FormatError> {
-        let mut owner: Vec<Option<usize>> = vec![None; self.pages.len()];
-        for (ti, t) in self.manifest.tensors.iter().enumerate() {
-            let first = t.first_page as usize;
-            for o in owner.iter_mut().skip(first).take(t.page_count as usize) {
-                *o = Some(ti);
-            }
-        }
-        let owner_name = |i: usize| -> String {
-            owner.get(i).copied().flatten().map_or_else(|| "<none>".to_string(), |ti| self.manifest.tensors[ti].name.clone())
-        };
-        let page_bad = |p: &PageEntry| -> bool {
-            let start = p.offset as usize;
-            let Some(end) = start.checked_add(p.stored_size as usize) else { return true };
-            match self.mmap.get(start..end) {
-                Some(b) => blake3::hash(b).as_bytes() != &p.blake3,
-                None => true,
-            }
-        };
         // Small archives: threads cost more than they save.
-        let parallel = self.file_len >= 8 << 20;
-        let bad = if parallel {
-            self.pages.par_iter().enumerate().find_first(|(_, p)| page_bad(p))
-        } else {
-            self.pages.iter().enumerate().find(|(_, p)| page_bad(p))
-        };
-        if let Some((i, _)) = bad {
-            return Err(FormatError::PageChecksum { page: i as u64, tensor: owner_name(i) });
-        }
+        let parallel = self.file_len >= PARALLEL_HASH_BYTES;
+        check_page_hashes(&self.mmap, &self.pages, &page_owners(&self.manifest), &AtomicBool::new(false))?;
         let tensor_bad = |t: &&TensorEntry| -> bool {
             let Ok(b) = self.tensor_bytes(t) else { return true };
             let mut h = blake3::Hasher::new();

@@ -286,10 +286,46 @@ fn page_checksum_mismatch_names_page_and_tensor() {
     v[off + 3] ^= 0xff;
     let a = b.open(&v).unwrap(); // open does not hash pages
     let e = a.verify().err().unwrap();
+    let p = &a.pages()[page as usize];
+    let expected = blake3::Hash::from(p.blake3).to_hex().to_string();
+    let found = blake3::hash(&v[off..off + p.stored_size as usize]).to_hex().to_string();
+    assert_ne!(expected, found);
     assert!(
-        matches!(&e, FormatError::PageChecksum { page: p, tensor } if *p == page && tensor == "blk.1.attn_v"),
+        matches!(&e, FormatError::PageChecksum { page: p, tensor, expected: x, found: f }
+            if *p == page && tensor == "blk.1.attn_v" && *x == expected && *f == found),
         "{e:?}"
     );
+    assert_eq!(e.to_string(), format!("page {page} of tensor blk.1.attn_v is damaged: its bytes hash to blake3 {found}, the page table records {expected}"));
+}
+
+/// The check `run` makes while it loads: the whole archive's pages hashed on their own thread,
+/// the same error as `verify` for a damaged page.
+#[test]
+fn the_background_page_check_covers_every_page_and_names_a_damaged_one() {
+    let b = base();
+    let (a, check) = Archive::open_checking_pages(&b.path).unwrap();
+    let r = check.wait().unwrap();
+    assert_eq!(r.pages, a.pages().len() as u64);
+    assert_eq!(r.bytes, a.pages().iter().map(|p| p.stored_size).sum::<u64>());
+    let last = a.pages().len() - 1;
+    let (off, len) = (a.pages()[last].offset as usize, a.pages()[last].stored_size as usize);
+    let expected = blake3::Hash::from(a.pages()[last].blake3).to_hex().to_string();
+    let owner = a.manifest().tensors.iter().find(|t| t.first_page as usize <= last && last < (t.first_page + t.page_count) as usize).unwrap().name.clone();
+    drop(a);
+    let mut v = b.bytes.clone();
+    v[off + len - 1] ^= 0x01;
+    std::fs::write(&b.path, &v).unwrap();
+    let (_a, check) = Archive::open_checking_pages(&b.path).unwrap();
+    let e = check.wait().err().unwrap();
+    let found = blake3::hash(&v[off..off + len]).to_hex().to_string();
+    assert!(
+        matches!(&e, FormatError::PageChecksum { page, tensor, expected: x, found: f }
+            if *page == last as u64 && *tensor == owner && *x == expected && *f == found),
+        "{e:?}"
+    );
+    // Dropped unwaited: the thread stops by itself, nothing blocks.
+    let (_a, check) = Archive::open_checking_pages(&b.path).unwrap();
+    drop(check);
 }
 
 #[test]
