@@ -69,14 +69,11 @@ pub enum Error {
     CtxAboveEngine { ctx: usize, arch: &'static str, max_seq: usize, model_max: u64 },
 }
 
-/// The positions a compiled CPU engine's KV cache holds: thin-codegen sizes it
-/// `min(4096, max_position_embeddings)` (`MAX_SEQ` in each generated module).
-pub fn cpu_max_seq(arch: &thin_core::arch::ArchConfig) -> usize {
-    arch.max_position_embeddings.clamp(1, CPU_MAX_SEQ_CAP as u64) as usize
+/// The positions the KV cache of the CPU engine compiled in for this arch holds (its generated
+/// `consts::MAX_SEQ`); `None` when no CPU engine of its shape is compiled in.
+pub fn cpu_max_seq(arch: &thin_core::arch::ArchConfig) -> Option<usize> {
+    thin_generated::cpu_max_seq(&arch.shape_fingerprint())
 }
-
-/// The most positions codegen gives a CPU engine's KV cache.
-pub const CPU_MAX_SEQ_CAP: usize = 4096;
 
 /// The architectures whose CPU engines are compiled into this build (`--features <arch>`).
 pub fn compiled_engines() -> Vec<&'static str> {
@@ -297,8 +294,11 @@ pub fn open_with(path: &Path, opts: &Options, integrity: Integrity) -> Result<Se
     };
     let cuda = CudaOptions { ctx, progress: opts.progress, timeline: opts.timeline };
     let cpu = |a: Arc<Archive>| -> Result<Box<dyn LoadedEngine>, Error> {
-        let (max_seq, model_max) = (cpu_max_seq(&a.manifest().arch), a.manifest().arch.max_position_embeddings);
+        let model_max = a.manifest().arch.max_position_embeddings;
+        let fingerprint = a.manifest().shape_fingerprint.clone();
         let engine = thin_generated::open_cpu(a)?;
+        // The engine that just opened is the one of this fingerprint.
+        let max_seq = thin_generated::cpu_max_seq(&fingerprint).unwrap_or(0);
         if ctx > max_seq {
             return Err(Error::CtxAboveEngine { ctx, arch, max_seq, model_max });
         }

@@ -212,9 +212,9 @@ fn stop_strings_cut_the_output() {
 fn ctx_is_honoured_below_the_engine_limit_and_refused_above_the_models() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let a = convert("llama-tiny", tmp.path());
-    // The limit thin computes for a CPU engine is the one codegen compiled into it.
+    // The limit thin reads for a CPU engine is the one codegen compiled into it.
     let manifest = Archive::open(&a).expect("open").manifest().clone();
-    assert_eq!(thin::cpu_max_seq(&manifest.arch), thin_generated::llama_tiny::consts::MAX_SEQ);
+    assert_eq!(thin::cpu_max_seq(&manifest.arch), Some(thin_generated::llama_tiny::consts::MAX_SEQ));
     assert_eq!(thin_generated::llama_tiny::consts::MAX_SEQ, 256);
 
     // 10 prompt tokens in a context of 20: 10 positions, so 11 tokens (the last one is sampled
@@ -257,7 +257,7 @@ fn ctx_above_the_cpu_engines_kv_cache_is_refused() {
     assert!(o.status.success(), "{}", stderr(&o));
     let arch = Archive::open(&a).expect("open").manifest().arch.clone();
     assert_eq!(arch.max_position_embeddings, 8192);
-    assert_eq!(thin::cpu_max_seq(&arch), thin_generated::smollm2_135m::consts::MAX_SEQ);
+    assert_eq!(thin::cpu_max_seq(&arch), Some(thin_generated::smollm2_135m::consts::MAX_SEQ));
 
     let (code, err) = fails(&["run", utf8(&a), "--backend", "cpu", "--prompt", "hi", "--ctx", "5000"]);
     assert_eq!(code, Some(1));

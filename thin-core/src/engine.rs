@@ -280,6 +280,8 @@ pub struct CompiledEngine<W> {
     pub fingerprint: &'static str,
     /// The constants baked into the engine; an archive that records others is refused at open.
     pub math: MathConstants,
+    /// Positions its KV cache holds (the generated module's `consts::MAX_SEQ`).
+    pub max_seq: usize,
     /// Bind the engine's weights (a missing or misshapen tensor is an error here, not mid-token).
     pub open: fn(W) -> Result<Box<dyn Engine + Send>, EngineError>,
 }
