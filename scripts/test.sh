@@ -7,3 +7,6 @@ cargo test --workspace --locked -- --test-threads="${THIN_TEST_THREADS:-2}"
 # The CUDA backend builds without a GPU or toolkit (cudarc loads libcuda/NVRTC at run time); its
 # host-side plan is unit-tested above, this keeps its runtime code compiling.
 cargo check --locked -p thin --features cuda,smollm2-135m
+# The quantized matvec kernels (FP8, MXFP4) as rendered for SmolLM2, run on the CPU emulator
+# against a float64 reference (the device's kernel tests run them on the GPU).
+bash scripts/emu/run_quant.sh smollm2_135m
