@@ -2,9 +2,15 @@
 //!
 //! Weights are row-major `[out, in]` like HF `nn.Linear`; activations are f32.
 
+use std::marker::PhantomData;
+use std::ops::Range;
+
 use crate::codecs::{self, Isa};
 use crate::engine::WeightView;
-use rayon::prelude::*;
+
+pub mod pool;
+
+pub use pool::{check_threads, set_threads, threads, ThreadsError};
 
 /// Row `token` of an embedding table `[vocab, hidden]`, times `scale` (Gemma: `sqrt(hidden)`).
 pub fn embedding(table: WeightView<'_>, token: usize, hidden: usize, scale: f32, out: &mut [f32]) {
@@ -273,40 +279,66 @@ fn rows_of(w: WeightView<'_>, x: &[f32], row0: usize, out: &mut [f32]) {
     ok.expect("a view's rows were checked when it was made");
 }
 
-/// Threads the CPU ops run on (rayon's global pool; `RAYON_NUM_THREADS` sets it).
-pub fn threads() -> usize {
-    rayon::current_num_threads()
-}
-
-/// Weight elements one rayon task reads at least: below this, task overhead outweighs the work.
+/// Weight elements one task reads at least: below this, handing work to another thread costs more
+/// than it saves.
 const MIN_TASK_ELEMS: usize = 32 * 1024;
 
-/// Rows per rayon task: about four tasks per thread (load balance), never tiny ones.
+/// Rows per task: about four tasks per thread (load balance on a shared machine), never tiny ones.
 fn rows_per_task(n_out: usize, n_in: usize) -> usize {
-    let threads = rayon::current_num_threads().max(1);
-    let balanced = n_out.div_ceil(threads * 4);
+    let balanced = n_out.div_ceil(threads() * 4);
     let min_rows = MIN_TASK_ELEMS.div_ceil(n_in.max(1));
     balanced.max(min_rows).max(1)
 }
 
-/// `out[o] = sum_i w[o, i] * x[i]`, rayon over chunks of output rows.
+/// An output buffer the tasks of one pool region write, each in its own ranges.
+struct SharedOut<'a> {
+    ptr: *mut f32,
+    len: usize,
+    _out: PhantomData<&'a mut [f32]>,
+}
+
+// SAFETY: tasks only reach the buffer through `range`, whose callers keep their ranges disjoint.
+unsafe impl Sync for SharedOut<'_> {}
+
+impl<'a> SharedOut<'a> {
+    fn new(out: &'a mut [f32]) -> SharedOut<'a> {
+        SharedOut { ptr: out.as_mut_ptr(), len: out.len(), _out: PhantomData }
+    }
+
+    /// `out[r]`.
+    ///
+    /// # Safety
+    /// No other slice of `r` obtained from this buffer is alive (each task has its own ranges).
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn range(&self, r: Range<usize>) -> &mut [f32] {
+        assert!(r.start <= r.end && r.end <= self.len, "range {r:?} of {}", self.len);
+        // SAFETY: in bounds (asserted), unaliased (the caller's contract), alive for 'a.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r.start), r.len()) }
+    }
+}
+
+/// `out[o] = sum_i w[o, i] * x[i]`, chunks of output rows spread over the pool (one region).
 pub fn matvec(w: WeightView<'_>, x: &[f32], out: &mut [f32]) {
     assert_eq!(w.len(), out.len() * x.len(), "matvec weight is not [out, in]");
     if x.is_empty() {
         out.iter_mut().for_each(|o| *o = 0.0);
         return;
     }
-    let chunk = rows_per_task(out.len(), x.len());
-    if chunk >= out.len() {
-        rows_of(w, x, 0, out);
-    } else {
-        out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| rows_of(w, x, c * chunk, o));
+    let (n_out, chunk) = (out.len(), rows_per_task(out.len(), x.len()));
+    if chunk >= n_out {
+        return rows_of(w, x, 0, out);
     }
+    let out = SharedOut::new(out);
+    pool::for_each_task(n_out.div_ceil(chunk), |c| {
+        let rows = c * chunk..((c + 1) * chunk).min(n_out);
+        // SAFETY: task c alone writes rows c * chunk .. (c + 1) * chunk.
+        rows_of(w, x, rows.start, unsafe { out.range(rows) });
+    });
 }
 
 /// `out[t, o] = sum_i w[o, i] * x[t, i]` for `t` rows of `x` (`[t, in]` row-major). Each output
-/// equals what [`matvec`] gives for that row of `x`, bit for bit. Rayon splits the weight rows, and
-/// each task runs all rows of `x` over its rows while they are in cache: weights are read once.
+/// equals what [`matvec`] gives for that row of `x`, bit for bit. The pool splits the weight rows,
+/// and each task runs all rows of `x` over its rows while they are in cache: weights are read once.
 pub fn matmul(w: WeightView<'_>, x: &[f32], n_in: usize, out: &mut [f32]) {
     assert!(n_in > 0, "matmul with n_in = 0");
     assert_eq!(x.len() % n_in, 0);
@@ -318,25 +350,44 @@ pub fn matmul(w: WeightView<'_>, x: &[f32], n_in: usize, out: &mut [f32]) {
         return matvec(w, x, out);
     }
     let chunk = rows_per_task(n_out, n_in);
-    // Per task: its rows' outputs for every row of x, `[t, rows]`; scattered into `out` after.
-    let blocks: Vec<(usize, Vec<f32>)> = (0..n_out.div_ceil(chunk))
-        .into_par_iter()
-        .map(|c| {
-            let r0 = c * chunk;
-            let rows = chunk.min(n_out - r0);
-            let mut y = vec![0.0; t * rows];
-            for (xr, yr) in x.chunks_exact(n_in).zip(y.chunks_exact_mut(rows)) {
-                rows_of(w, xr, r0, yr);
-            }
-            (r0, y)
-        })
-        .collect();
-    for (r0, y) in blocks {
-        let rows = y.len() / t;
-        for (yr, or) in y.chunks_exact(rows).zip(out.chunks_exact_mut(n_out)) {
-            or[r0..r0 + rows].copy_from_slice(yr);
+    let out = SharedOut::new(out);
+    pool::for_each_task(n_out.div_ceil(chunk), |c| {
+        let (r0, r1) = (c * chunk, ((c + 1) * chunk).min(n_out));
+        for (i, xr) in x.chunks_exact(n_in).enumerate() {
+            // SAFETY: task c alone writes columns r0..r1 of every output row.
+            rows_of(w, xr, r0, unsafe { out.range(i * n_out + r0..i * n_out + r1) });
         }
+    });
+}
+
+/// The wrapping sum of `data` as u64 words, read in parallel on the pool (a streaming read: what
+/// [`read_bandwidth_gb_s`] times).
+pub fn sum_words(data: &[u64]) -> u64 {
+    let tasks = (threads() * 4).min(data.len().max(1));
+    let chunk = data.len().div_ceil(tasks).max(1);
+    let sums: Vec<std::sync::atomic::AtomicU64> = (0..tasks).map(|_| Default::default()).collect();
+    pool::for_each_task(tasks, |c| {
+        let part = &data[(c * chunk).min(data.len())..((c + 1) * chunk).min(data.len())];
+        // Wrapping integer adds are associative: LLVM vectorizes this into wide loads.
+        let s = part.iter().fold(0u64, |a, &w| a.wrapping_add(w));
+        sums[c].store(s, std::sync::atomic::Ordering::Relaxed);
+    });
+    sums.iter().fold(0u64, |a, s| a.wrapping_add(s.load(std::sync::atomic::Ordering::Relaxed)))
+}
+
+/// The rate this machine streams memory into the pool's threads: the best of `passes` parallel
+/// reads of a `bytes` buffer (far larger than the caches), in GB/s (1e9 bytes), as STREAM reports
+/// its best. The ceiling for a decode step, which reads every weight once.
+pub fn read_bandwidth_gb_s(bytes: usize, passes: usize) -> f64 {
+    // Written first, so the pages exist (a fresh allocation would read the shared zero page).
+    let data: Vec<u64> = (0..bytes / 8).map(|i| i as u64).collect();
+    let mut best = f64::INFINITY;
+    for _ in 0..passes.max(1) {
+        let t = std::time::Instant::now();
+        std::hint::black_box(sum_words(std::hint::black_box(&data)));
+        best = best.min(t.elapsed().as_secs_f64());
     }
+    (data.len() * 8) as f64 / best / 1e9
 }
 
 /// HF default inverse frequencies `1 / theta^(2i/d)` for `i < d/2`.
@@ -439,7 +490,7 @@ pub fn attention(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos: usize, p: Att
         Some(w) => (pos + 1).saturating_sub(w),
         None => 0,
     };
-    let head = |(h, o): (usize, &mut [f32])| {
+    let head = |h: usize, o: &mut [f32]| {
         let kvh = h / group;
         let qh = &q[h * hd..(h + 1) * hd];
         let mut scores: Vec<f32> = (start..=pos)
@@ -460,11 +511,13 @@ pub fn attention(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos: usize, p: Att
             }
         }
     };
-    // Heads are independent: parallel once there is enough work to pay for waking the pool.
+    // Heads are independent: parallel once there is enough work to pay for a pool region.
     if p.num_heads * (pos + 1 - start) * hd >= MIN_TASK_ELEMS {
-        out.par_chunks_mut(hd).enumerate().for_each(head);
+        let out = SharedOut::new(out);
+        // SAFETY: task h alone writes head h's outputs.
+        pool::for_each_task(p.num_heads, |h| head(h, unsafe { out.range(h * hd..(h + 1) * hd) }));
     } else {
-        out.chunks_mut(hd).enumerate().for_each(head);
+        out.chunks_mut(hd).enumerate().for_each(|(h, o)| head(h, o));
     }
 }
 
@@ -593,7 +646,7 @@ mod tests {
 
     #[test]
     fn matvec_chunked_equals_per_row_dot_with_tails() {
-        // 300 rows x 37 inputs: several rayon chunks, a 16-lane body and a 5-element tail per row.
+        // 300 rows x 37 inputs: a 16-lane body and a 5-element tail per row.
         let (n_out, n_in) = (300usize, 37usize);
         let w: Vec<f32> = (0..n_out * n_in).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 256.0).collect();
         let x: Vec<f32> = (0..n_in).map(|i| (i as f32 - 18.0) / 8.0).collect();
@@ -616,6 +669,52 @@ mod tests {
         let mut o2 = vec![0.0; n_out];
         matvec(WeightView::Bf16(&wb), &x2[n_in..], &mut o2);
         assert_eq!(&m[n_out..], &o2[..]);
+    }
+
+    #[test]
+    fn pool_regions_equal_one_serial_pass_bit_for_bit() {
+        // 640 x 512: 64 rows at least per task, so several tasks whatever the thread count; a
+        // 3-row matmul, and attention over enough positions to take the pool.
+        let (n_out, n_in) = (640usize, 512usize);
+        let wb: Vec<bf16> = (0..n_out * n_in).map(|i| bf16::from_f32(((i * 7919 % 1999) as f32 - 999.0) / 500.0)).collect();
+        let x: Vec<f32> = (0..3 * n_in).map(|i| ((i * 104729 % 401) as f32 - 200.0) / 100.0).collect();
+        assert!(rows_per_task(n_out, n_in) < n_out);
+        let mut serial = vec![0.0; 3 * n_out];
+        for (xr, or) in x.chunks_exact(n_in).zip(serial.chunks_exact_mut(n_out)) {
+            rows_of(WeightView::Bf16(&wb), xr, 0, or);
+        }
+        let mut o = vec![0.0; n_out];
+        matvec(WeightView::Bf16(&wb), &x[..n_in], &mut o);
+        assert_eq!(o, serial[..n_out]);
+        let mut m = vec![0.0; 3 * n_out];
+        matmul(WeightView::Bf16(&wb), &x, n_in, &mut m);
+        assert_eq!(m, serial);
+
+        let p = AttnParams { num_heads: 4, num_kv_heads: 2, head_dim: 64, scale: 0.125, window: None, softcap: None };
+        let pos = 200; // 4 heads * 201 positions * 64 >= MIN_TASK_ELEMS
+        let kv: Vec<f32> = (0..(pos + 1) * 2 * 64).map(|i| ((i * 31 % 97) as f32 - 48.0) / 50.0).collect();
+        let q: Vec<f32> = (0..4 * 64).map(|i| ((i * 17 % 23) as f32 - 11.0) / 10.0).collect();
+        let mut pooled = vec![0.0; 4 * 64];
+        attention(&q, &kv, &kv, pos, p, &mut pooled);
+        // One head at a time: each a single-head call over that head's query and kv head.
+        for h in 0..4 {
+            let kvh = h / 2;
+            let k1: Vec<f32> = (0..=pos).flat_map(|t| kv[t * 128 + kvh * 64..t * 128 + kvh * 64 + 64].to_vec()).collect();
+            let one = AttnParams { num_heads: 1, num_kv_heads: 1, ..p };
+            let mut o1 = vec![0.0; 64];
+            attention(&q[h * 64..(h + 1) * 64], &k1, &k1, pos, one, &mut o1);
+            assert_eq!(o1, pooled[h * 64..(h + 1) * 64], "head {h}");
+        }
+    }
+
+    #[test]
+    fn parallel_word_sum_equals_the_serial_one() {
+        let n = 100_003u64;
+        let data: Vec<u64> = (0..n).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)).collect();
+        assert_eq!(sum_words(&data), data.iter().fold(0u64, |a, &w| a.wrapping_add(w)));
+        assert_eq!(sum_words(&[]), 0);
+        assert_eq!(sum_words(&(0..10).collect::<Vec<u64>>()), 45);
+        assert!(read_bandwidth_gb_s(1 << 20, 2) > 0.0);
     }
 
     #[test]
