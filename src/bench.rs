@@ -17,6 +17,9 @@ fn mean_sd(xs: &[f64]) -> (f64, f64) {
     (m, var.sqrt())
 }
 
+/// The buffer the CPU memory-bandwidth probe streams: far larger than any L3.
+const MEMORY_PROBE_BYTES: usize = 512 << 20;
+
 pub struct BenchOptions {
     pub backend: thin::Backend,
     pub ctx: usize,
@@ -41,8 +44,11 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
         .with_context(|| format!("opening {}", file.display()))?;
     let m = session.archive().manifest();
     let vocab = m.arch.dims.vocab_size as usize;
+    let weight_bytes_per_token = crate::inspect::bytes_per_token(m);
     let profile = m.tensor(Role::TokenEmbd, None).map(|t| t.dtype.name()).unwrap_or("?");
     let (name, backend) = (session.arch(), session.backend());
+    // The CPU engine's thread count (`--threads`); the GPU's host side runs on one.
+    let threads = (backend == "cpu").then(thin_core::cpu::threads);
     let hello = session.prompt("Hello", false).context("encoding the prompt")?;
     let e = session.engine();
     // Cold start to first token: open + compile/cache + upload + capture + the first prefill.
@@ -89,6 +95,10 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     // peak_gib: what the driver says the engine added (its buffers, module, graph, cuBLAS
     // workspace), read after every timed run (nothing is freed before the engine drops);
     // held_gib: its own buffers alone.
+    // On the CPU: the rate the decode reads its weights at, against what the machine streams on
+    // the same threads, measured now (the same background load as the runs above).
+    let decode_gb_s = weight_bytes_per_token as f64 * decode_tok_s / 1e9;
+    let memory_gb_s = threads.map(|_| thin_core::cpu::read_bandwidth_gb_s(MEMORY_PROBE_BYTES, 5));
     let held = e.device_bytes().map(gib);
     let peak = e.measured_device_bytes().map(gib);
     let rec = json!({
@@ -96,11 +106,16 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
         "profile": profile,
         "engine": "thin",
         "backend": backend,
+        "threads": threads,
         "decode_tok_s": (decode_tok_s * 100.0).round() / 100.0,
         "decode_method": format!("prefill \"Hello\" ({} ids), {} warm-up, {} timed greedy steps", hello.len(), opts.warmup, opts.steps),
         "prefill_tok_s": (pp_m * 100.0).round() / 100.0,
         "pp": {"n": opts.pp, "mean": pp_m, "sd": pp_sd, "reps": pp},
         "tg": {"n": opts.tg, "mean": tg_m, "sd": tg_sd, "reps": tg},
+        "weight_bytes_per_token": weight_bytes_per_token,
+        "decode_gb_s": (decode_gb_s * 100.0).round() / 100.0,
+        "memory_gb_s": memory_gb_s.map(|g| (g * 100.0).round() / 100.0),
+        "memory_method": memory_gb_s.map(|_| format!("best of 5 parallel reads of a {} MiB buffer", MEMORY_PROBE_BYTES >> 20)),
         "peak_gib": peak,
         "peak_method": "cuMemGetInfo used at the end minus used once the CUDA context existed",
         "held_gib": held,
@@ -112,11 +127,15 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     if opts.json {
         println!("{rec}");
     } else {
-        println!("{name} ({profile}), reference method: {decode_tok_s:.1} tok/s decode");
+        let on = threads.map_or_else(String::new, |t| format!(", {t} CPU threads"));
+        println!("{name} ({profile}){on}, reference method: {decode_tok_s:.1} tok/s decode");
         println!("| model | test | t/s |");
         println!("|---|---|---|");
         println!("| {} {} | pp{} | {:.1} ± {:.1} |", name, profile, opts.pp, pp_m, pp_sd);
         println!("| {} {} | tg{} | {:.1} ± {:.1} |", name, profile, opts.tg, tg_m, tg_sd);
+        if let Some(mem) = memory_gb_s {
+            println!("decode reads weights at {decode_gb_s:.1} GB/s, {:.0}% of the {mem:.1} GB/s this machine streams now", 100.0 * decode_gb_s / mem);
+        }
         if let (Some(p), Some(h)) = (peak, held) {
             println!("device memory: peak {p:.3} GiB (driver count), buffers {h:.3} GiB; cold start to first token {first_token_s:.2} s");
         }

@@ -87,7 +87,7 @@ fn plan_rows(m: &Manifest) -> Vec<PlanRow> {
 
 /// Weight bytes one decode step reads: every matrix whole, except the token embedding (one row;
 /// all of it when it is also the LM head) and the experts (top_k of num_experts).
-fn bytes_per_token(m: &Manifest) -> u64 {
+pub(crate) fn bytes_per_token(m: &Manifest) -> u64 {
     use thin_core::role::Role;
     let d = &m.arch.dims;
     m.tensors
