@@ -245,6 +245,91 @@ mod avx512 {
     }
 }
 
+/// Prefill's bf16 GEMM on AVX-512: `outs[t][r] = w[r, :] . x[t, :]`, register-tiled 4 rows x 4
+/// tokens (16 accumulators: each weight block is widened once for 4 tokens, each `x` block loaded
+/// once for 4 rows). Each accumulator sums exactly as [`avx512::rows_bf16`] does, so every
+/// output has its bits.
+#[cfg(target_arch = "x86_64")]
+mod gemm512 {
+    use super::{finish_lanes, LANES};
+    use crate::codecs::x86::sum16_512;
+    use std::arch::x86_64::*;
+
+    const ROWS: usize = 4;
+    const TOKENS: usize = 4;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+    pub fn gemm_bf16(w: &[half::bf16], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
+        let (rows, tokens) = (w.len() / n, x.len() / n);
+        assert!(w.len() == rows * n && x.len() == tokens * n && outs.len() == tokens);
+        let mut r = 0;
+        while r < rows {
+            let nr = if r + ROWS <= rows { ROWS } else { 1 };
+            let mut t = 0;
+            while t < tokens {
+                let nt = if t + TOKENS <= tokens { TOKENS } else { 1 };
+                let (wr, xt) = (&w[r * n..(r + nr) * n], &x[t * n..(t + nt) * n]);
+                let outs = &mut outs[t..t + nt];
+                match (nr, nt) {
+                    (ROWS, TOKENS) => tile::<ROWS, TOKENS>(wr, xt, n, outs, r),
+                    (ROWS, _) => tile::<ROWS, 1>(wr, xt, n, outs, r),
+                    (_, TOKENS) => tile::<1, TOKENS>(wr, xt, n, outs, r),
+                    _ => tile::<1, 1>(wr, xt, n, outs, r),
+                }
+                t += nt;
+            }
+            r += nr;
+        }
+    }
+
+    /// `outs[t][r0 + r]` for the `R` rows in `w` and the `T` tokens in `x`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+    fn tile<const R: usize, const T: usize>(w: &[half::bf16], x: &[f32], n: usize, outs: &mut [&mut [f32]], r0: usize) {
+        assert!(w.len() == R * n && x.len() == T * n && outs.len() == T);
+        let body = n / LANES * LANES;
+        let mut acc = [[_mm512_setzero_ps(); R]; T];
+        let mut i = 0;
+        while i < body {
+            let mut wv = [_mm512_setzero_ps(); R];
+            for (r, v) in wv.iter_mut().enumerate() {
+                // SAFETY: r * n + i + 16 <= w.len() (asserted shape, i + 16 <= body <= n).
+                let raw = unsafe { _mm256_loadu_si256(w.as_ptr().add(r * n + i) as *const __m256i) };
+                *v = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)));
+            }
+            for (t, a) in acc.iter_mut().enumerate() {
+                // SAFETY: t * n + i + 16 <= x.len(), as above.
+                let xv = unsafe { _mm512_loadu_ps(x.as_ptr().add(t * n + i)) };
+                for (a, &v) in a.iter_mut().zip(&wv) {
+                    *a = _mm512_add_ps(*a, _mm512_mul_ps(v, xv));
+                }
+            }
+            i += LANES;
+        }
+        for (t, (a, o)) in acc.iter().zip(outs.iter_mut()).enumerate() {
+            let xt = &x[t * n..(t + 1) * n];
+            for (r, &a) in a.iter().enumerate() {
+                o[r0 + r] = finish_lanes(sum16_512(a), &w[r * n..(r + 1) * n], xt);
+            }
+        }
+    }
+}
+
+/// `outs[t][r - row0] = w[r, :] . x[t, :]` for rows `row0 .. row0 + outs[t].len()` of `w` and every
+/// token row of `x` (`[outs.len(), n_in]`): the bits [`rows_of`] gives token by token, register-tiled
+/// where a kernel exists (bf16 on AVX-512), else token by token.
+fn rows_of_tokens(w: WeightView<'_>, x: &[f32], n_in: usize, row0: usize, outs: &mut [&mut [f32]]) {
+    let rows = outs.first().map_or(0, |o| o.len());
+    #[cfg(target_arch = "x86_64")]
+    if let (WeightView::Bf16(wb), Isa::Avx512) = (w.rows(row0, row0 + rows, n_in), Isa::best().clamp()) {
+        // SAFETY: `clamp` says this CPU runs AVX-512 F/BW/VL.
+        return unsafe { gemm512::gemm_bf16(wb, x, n_in, outs) };
+    }
+    for (xr, o) in x.chunks_exact(n_in).zip(outs.iter_mut()) {
+        rows_of(w, xr, row0, o);
+    }
+}
+
 fn rows_bf16(isa: Isa, w: &[half::bf16], x: &[f32], out: &mut [f32]) {
     match isa.clamp() {
         // SAFETY: `clamp` returns a level this CPU runs.
@@ -353,10 +438,9 @@ pub fn matmul(w: WeightView<'_>, x: &[f32], n_in: usize, out: &mut [f32]) {
     let out = SharedOut::new(out);
     pool::for_each_task(n_out.div_ceil(chunk), |c| {
         let (r0, r1) = (c * chunk, ((c + 1) * chunk).min(n_out));
-        for (i, xr) in x.chunks_exact(n_in).enumerate() {
-            // SAFETY: task c alone writes columns r0..r1 of every output row.
-            rows_of(w, xr, r0, unsafe { out.range(i * n_out + r0..i * n_out + r1) });
-        }
+        // SAFETY: task c alone writes columns r0..r1 of every output row.
+        let mut outs: Vec<&mut [f32]> = (0..t).map(|i| unsafe { out.range(i * n_out + r0..i * n_out + r1) }).collect();
+        rows_of_tokens(w, x, n_in, r0, &mut outs);
     });
 }
 
@@ -715,6 +799,33 @@ mod tests {
         assert_eq!(sum_words(&[]), 0);
         assert_eq!(sum_words(&(0..10).collect::<Vec<u64>>()), 45);
         assert!(read_bandwidth_gb_s(1 << 20, 2) > 0.0);
+    }
+
+    #[test]
+    fn prefill_tiles_equal_token_by_token_rows_bit_for_bit() {
+        // 11 rows (two 4-row tiles and 3 single rows) x 83 inputs (5 blocks and a 3-element tail),
+        // 9 tokens (two 4-token tiles and one single token).
+        let (n_out, n_in, t) = (11usize, 16 * 5 + 3, 9usize);
+        let wb: Vec<bf16> = (0..n_out * n_in).map(|i| bf16::from_f32(((i * 2654435761usize % 2001) as f32 - 1000.0) / 97.0)).collect();
+        let x: Vec<f32> = (0..t * n_in).map(|i| ((i * 40503 % 301) as f32 - 150.0) / 13.0).collect();
+        let mut want = vec![0.0; t * n_out];
+        for (xr, o) in x.chunks_exact(n_in).zip(want.chunks_exact_mut(n_out)) {
+            rows_portable(&wb, xr, o);
+        }
+        let mut got = vec![0.0; t * n_out];
+        let mut outs: Vec<&mut [f32]> = got.chunks_exact_mut(n_out).collect();
+        rows_of_tokens(WeightView::Bf16(&wb), &x, n_in, 0, &mut outs);
+        assert_eq!(got, want);
+        // From row 3 on (a view's later rows), through matmul's split too.
+        let mut part = vec![0.0; t * (n_out - 3)];
+        let mut outs: Vec<&mut [f32]> = part.chunks_exact_mut(n_out - 3).collect();
+        rows_of_tokens(WeightView::Bf16(&wb), &x, n_in, 3, &mut outs);
+        for (p, w) in part.chunks_exact(n_out - 3).zip(want.chunks_exact(n_out)) {
+            assert_eq!(p, &w[3..]);
+        }
+        let mut m = vec![0.0; t * n_out];
+        matmul(WeightView::Bf16(&wb), &x, n_in, &mut m);
+        assert_eq!(m, want);
     }
 
     #[test]
