@@ -317,13 +317,17 @@ mod gemm512 {
 
 /// `outs[t][r - row0] = w[r, :] . x[t, :]` for rows `row0 .. row0 + outs[t].len()` of `w` and every
 /// token row of `x` (`[outs.len(), n_in]`): the bits [`rows_of`] gives token by token, register-tiled
-/// where a kernel exists (bf16 on AVX-512), else token by token.
+/// where a kernel exists (bf16 and Q8_0 on AVX-512), else token by token.
 fn rows_of_tokens(w: WeightView<'_>, x: &[f32], n_in: usize, row0: usize, outs: &mut [&mut [f32]]) {
     let rows = outs.first().map_or(0, |o| o.len());
-    #[cfg(target_arch = "x86_64")]
-    if let (WeightView::Bf16(wb), Isa::Avx512) = (w.rows(row0, row0 + rows, n_in), Isa::best().clamp()) {
+    match (w.rows(row0, row0 + rows, n_in), Isa::best().clamp()) {
         // SAFETY: `clamp` says this CPU runs AVX-512 F/BW/VL.
-        return unsafe { gemm512::gemm_bf16(wb, x, n_in, outs) };
+        #[cfg(target_arch = "x86_64")]
+        (WeightView::Bf16(wb), Isa::Avx512) => return unsafe { gemm512::gemm_bf16(wb, x, n_in, outs) },
+        (WeightView::Q8_0 { blocks, .. }, _) => {
+            return codecs::q8_0::matmul_rows(blocks, x, n_in, outs).expect("a view's rows were checked when it was made")
+        }
+        _ => {}
     }
     for (xr, o) in x.chunks_exact(n_in).zip(outs.iter_mut()) {
         rows_of(w, xr, row0, o);
