@@ -581,12 +581,9 @@ pub fn attention(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos: usize, p: Att
     let head = |h: usize, o: &mut [f32]| {
         let kvh = h / group;
         let qh = &q[h * hd..(h + 1) * hd];
-        let mut scores: Vec<f32> = (start..=pos)
-            .map(|t| {
-                let k = &k_cache[t * kv_dim + kvh * hd..t * kv_dim + (kvh + 1) * hd];
-                qh.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * p.scale
-            })
-            .collect();
+        let mut scores = Vec::with_capacity(pos + 1 - start);
+        attention_scores(qh, &k_cache[kvh * hd..], kv_dim, start..pos + 1, &mut scores);
+        scores.iter_mut().for_each(|s| *s *= p.scale);
         if let Some(cap) = p.softcap {
             softcap(&mut scores, cap);
         }
@@ -606,6 +603,33 @@ pub fn attention(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos: usize, p: Att
         pool::for_each_task(p.num_heads, |h| head(h, unsafe { out.range(h * hd..(h + 1) * hd) }));
     } else {
         out.chunks_mut(hd).enumerate().for_each(|(h, o)| head(h, o));
+    }
+}
+
+/// Positions whose scores [`attention_scores`] sums side by side: independent add chains, where
+/// one dot product alone waits on each add.
+const SCORE_POSITIONS: usize = 8;
+
+/// `q . k_t` for each position `t` of `positions`, where `k_t = k[t * stride..][..q.len()]`, each
+/// summed in order over the head dimension from the neutral element of `Iterator::sum` (the bits of
+/// `q.iter().zip(k_t).map(|(a, b)| a * b).sum()`), [`SCORE_POSITIONS`] positions at a time.
+fn attention_scores(q: &[f32], k: &[f32], stride: usize, positions: Range<usize>, out: &mut Vec<f32>) {
+    let hd = q.len();
+    let zero: f32 = std::iter::empty::<f32>().sum();
+    let mut t = positions.start;
+    while t + SCORE_POSITIONS <= positions.end {
+        let rows: [&[f32]; SCORE_POSITIONS] = std::array::from_fn(|j| &k[(t + j) * stride..(t + j) * stride + hd]);
+        let mut acc = [zero; SCORE_POSITIONS];
+        for (d, &qd) in q.iter().enumerate() {
+            for (a, r) in acc.iter_mut().zip(&rows) {
+                *a += qd * r[d];
+            }
+        }
+        out.extend_from_slice(&acc);
+        t += SCORE_POSITIONS;
+    }
+    for t in t..positions.end {
+        out.push(q.iter().zip(&k[t * stride..t * stride + hd]).map(|(a, b)| a * b).sum::<f32>());
     }
 }
 
@@ -830,6 +854,21 @@ mod tests {
         let mut m = vec![0.0; t * n_out];
         matmul(WeightView::Bf16(&wb), &x, n_in, &mut m);
         assert_eq!(m, want);
+    }
+
+    #[test]
+    fn attention_scores_equal_one_dot_at_a_time_bit_for_bit() {
+        // 19 positions (two groups of 8 and 3 alone), head_dim 24, kv rows of 40 (a head's slice).
+        let (hd, stride, n) = (24usize, 40usize, 19usize);
+        let q: Vec<f32> = (0..hd).map(|i| ((i * 37 % 29) as f32 - 14.0) / 7.0).collect();
+        let mut k: Vec<f32> = (0..n * stride).map(|i| ((i * 7919 % 1009) as f32 - 504.0) / 91.0).collect();
+        k[3 * stride..3 * stride + hd].iter_mut().for_each(|v| *v = 0.0); // an all-zero key
+        for start in [0usize, 5] {
+            let mut got = Vec::new();
+            attention_scores(&q, &k, stride, start..n, &mut got);
+            let want: Vec<f32> = (start..n).map(|t| q.iter().zip(&k[t * stride..t * stride + hd]).map(|(a, b)| a * b).sum::<f32>()).collect();
+            assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        }
     }
 
     #[test]
