@@ -16,6 +16,9 @@ fn mean_sd(xs: &[f64]) -> (f64, f64) {
     (m, var.sqrt())
 }
 
+/// The buffer the CPU memory-bandwidth probe streams: far larger than any L3.
+const MEMORY_PROBE_BYTES: usize = 512 << 20;
+
 pub struct BenchOptions {
     pub backend: thin::Backend,
     pub ctx: usize,
@@ -42,8 +45,10 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     let vocab = m.arch.dims.vocab_size as usize;
     // The quantization profile the archive was converted with (bf16, fp8, mxfp4, a file's stem).
     let profile = m.quantization.method.clone();
-    let weight_bytes = m.weight_bytes_per_token();
+    let weight_bytes_per_token = m.weight_bytes_per_token();
     let (name, backend) = (session.arch(), session.backend());
+    // The CPU engine's thread count (`--threads`); the GPU's host side runs on one.
+    let threads = (backend == "cpu").then(thin_core::cpu::threads);
     let hello = session.prompt("Hello", false).context("encoding the prompt")?;
     let e = session.engine();
     // Cold start to first token: open + compile/cache + upload + capture + the first prefill.
@@ -90,23 +95,31 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     // peak_gib: what the driver says the engine added (its buffers, module, graph, cuBLAS
     // workspace), read after every timed run (nothing is freed before the engine drops);
     // held_gib: its own buffers alone.
+    // On the CPU: the rate the decode reads its weights at, against what the machine streams on
+    // the same threads, measured now (the same background load as the runs above).
+    let decode_gb_s = weight_bytes_per_token as f64 * decode_tok_s / 1e9;
+    let memory_gb_s = threads.map(|_| thin_core::cpu::read_bandwidth_gb_s(MEMORY_PROBE_BYTES, 5));
     let held = e.device_bytes().map(gib);
     let peak = e.measured_device_bytes().map(gib);
     // The profile's roofline: weight bytes read per token over the copy rate, measured after the
     // peak was read (its buffers are freed again).
     let copy = e.copy_rate_gb_s();
-    let roofline = copy.map(|c| c * 1e9 / weight_bytes as f64);
+    let roofline = copy.map(|c| c * 1e9 / weight_bytes_per_token as f64);
     let rec = json!({
         "model": name,
         "profile": profile,
         "engine": "thin",
         "backend": backend,
+        "threads": threads,
         "decode_tok_s": (decode_tok_s * 100.0).round() / 100.0,
         "decode_method": format!("prefill \"Hello\" ({} ids), {} warm-up, {} timed greedy steps", hello.len(), opts.warmup, opts.steps),
         "prefill_tok_s": (pp_m * 100.0).round() / 100.0,
         "pp": {"n": opts.pp, "mean": pp_m, "sd": pp_sd, "reps": pp},
         "tg": {"n": opts.tg, "mean": tg_m, "sd": tg_sd, "reps": tg},
-        "weight_bytes_per_token": weight_bytes,
+        "weight_bytes_per_token": weight_bytes_per_token,
+        "decode_gb_s": (decode_gb_s * 100.0).round() / 100.0,
+        "memory_gb_s": memory_gb_s.map(|g| (g * 100.0).round() / 100.0),
+        "memory_method": memory_gb_s.map(|_| format!("best of 5 parallel reads of a {} MiB buffer", MEMORY_PROBE_BYTES >> 20)),
         "copy_gb_s": copy,
         "roofline_tok_s": roofline,
         "roofline_pct": roofline.map(|r| (1000.0 * decode_tok_s / r).round() / 10.0),
@@ -121,11 +134,15 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     if opts.json {
         println!("{rec}");
     } else {
-        println!("{name} ({profile}), reference method: {decode_tok_s:.1} tok/s decode");
+        let on = threads.map_or_else(String::new, |t| format!(", {t} CPU threads"));
+        println!("{name} ({profile}){on}, reference method: {decode_tok_s:.1} tok/s decode");
         println!("| model | test | t/s |");
         println!("|---|---|---|");
         println!("| {} {} | pp{} | {:.1} ± {:.1} |", name, profile, opts.pp, pp_m, pp_sd);
         println!("| {} {} | tg{} | {:.1} ± {:.1} |", name, profile, opts.tg, tg_m, tg_sd);
+        if let Some(mem) = memory_gb_s {
+            println!("decode reads weights at {decode_gb_s:.1} GB/s, {:.0}% of the {mem:.1} GB/s this machine streams now", 100.0 * decode_gb_s / mem);
+        }
         if let (Some(p), Some(h)) = (peak, held) {
             println!("device memory: peak {p:.3} GiB (driver count), buffers {h:.3} GiB; cold start to first token {first_token_s:.2} s");
         }

@@ -20,8 +20,18 @@ use thin_core::quant::Profile;
 #[derive(Parser)]
 #[command(name = "thin", version, about = "ThinTensor: shape-specialized inference engines")]
 struct Cli {
+    /// Threads of the CPU engine (the calling thread and N - 1 workers); default: the physical
+    /// cores this process may run on.
+    #[arg(long, global = true, value_name = "N", allow_negative_numbers = true, value_parser = parse_threads)]
+    threads: Option<usize>,
     #[command(subcommand)]
     command: Command,
+}
+
+/// `--threads N`, checked as clap parses it.
+fn parse_threads(s: &str) -> Result<usize, String> {
+    let n = s.parse::<usize>().map_err(|_| format!("{s:?} is not a whole number"))?;
+    thin_core::cpu::check_threads(n).map_err(|e| e.to_string())
 }
 
 /// `--profile NAME|PATH`: a shipped profile or a user's TOML file, checked as clap parses it.
@@ -174,6 +184,9 @@ fn main() -> ExitCode {
 }
 
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
+    if let Some(n) = cli.threads {
+        thin_core::cpu::set_threads(n).context("starting the CPU threads")?;
+    }
     match cli.command {
         Command::Run(args) => run::run(args),
         Command::Eval(args) => eval::eval(args),

@@ -2,9 +2,15 @@
 //!
 //! Weights are row-major `[out, in]` like HF `nn.Linear`; activations are f32.
 
+use std::marker::PhantomData;
+use std::ops::Range;
+
 use crate::codecs::{self, Isa};
 use crate::engine::WeightView;
-use rayon::prelude::*;
+
+pub mod pool;
+
+pub use pool::{check_threads, set_threads, threads, ThreadsError};
 
 /// Row `token` of an embedding table `[vocab, hidden]`, times `scale` (Gemma: `sqrt(hidden)`).
 pub fn embedding(table: WeightView<'_>, token: usize, hidden: usize, scale: f32, out: &mut [f32]) {
@@ -239,6 +245,95 @@ mod avx512 {
     }
 }
 
+/// Prefill's bf16 GEMM on AVX-512: `outs[t][r] = w[r, :] . x[t, :]`, register-tiled 4 rows x 4
+/// tokens (16 accumulators: each weight block is widened once for 4 tokens, each `x` block loaded
+/// once for 4 rows). Each accumulator sums exactly as [`avx512::rows_bf16`] does, so every
+/// output has its bits.
+#[cfg(target_arch = "x86_64")]
+mod gemm512 {
+    use super::{finish_lanes, LANES};
+    use crate::codecs::x86::sum16_512;
+    use std::arch::x86_64::*;
+
+    const ROWS: usize = 4;
+    const TOKENS: usize = 4;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+    pub fn gemm_bf16(w: &[half::bf16], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
+        let (rows, tokens) = (w.len() / n, x.len() / n);
+        assert!(w.len() == rows * n && x.len() == tokens * n && outs.len() == tokens);
+        let mut r = 0;
+        while r < rows {
+            let nr = if r + ROWS <= rows { ROWS } else { 1 };
+            let mut t = 0;
+            while t < tokens {
+                let nt = if t + TOKENS <= tokens { TOKENS } else { 1 };
+                let (wr, xt) = (&w[r * n..(r + nr) * n], &x[t * n..(t + nt) * n]);
+                let outs = &mut outs[t..t + nt];
+                match (nr, nt) {
+                    (ROWS, TOKENS) => tile::<ROWS, TOKENS>(wr, xt, n, outs, r),
+                    (ROWS, _) => tile::<ROWS, 1>(wr, xt, n, outs, r),
+                    (_, TOKENS) => tile::<1, TOKENS>(wr, xt, n, outs, r),
+                    _ => tile::<1, 1>(wr, xt, n, outs, r),
+                }
+                t += nt;
+            }
+            r += nr;
+        }
+    }
+
+    /// `outs[t][r0 + r]` for the `R` rows in `w` and the `T` tokens in `x`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+    fn tile<const R: usize, const T: usize>(w: &[half::bf16], x: &[f32], n: usize, outs: &mut [&mut [f32]], r0: usize) {
+        assert!(w.len() == R * n && x.len() == T * n && outs.len() == T);
+        let body = n / LANES * LANES;
+        let mut acc = [[_mm512_setzero_ps(); R]; T];
+        let mut i = 0;
+        while i < body {
+            let mut wv = [_mm512_setzero_ps(); R];
+            for (r, v) in wv.iter_mut().enumerate() {
+                // SAFETY: r * n + i + 16 <= w.len() (asserted shape, i + 16 <= body <= n).
+                let raw = unsafe { _mm256_loadu_si256(w.as_ptr().add(r * n + i) as *const __m256i) };
+                *v = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)));
+            }
+            for (t, a) in acc.iter_mut().enumerate() {
+                // SAFETY: t * n + i + 16 <= x.len(), as above.
+                let xv = unsafe { _mm512_loadu_ps(x.as_ptr().add(t * n + i)) };
+                for (a, &v) in a.iter_mut().zip(&wv) {
+                    *a = _mm512_add_ps(*a, _mm512_mul_ps(v, xv));
+                }
+            }
+            i += LANES;
+        }
+        for (t, (a, o)) in acc.iter().zip(outs.iter_mut()).enumerate() {
+            let xt = &x[t * n..(t + 1) * n];
+            for (r, &a) in a.iter().enumerate() {
+                o[r0 + r] = finish_lanes(sum16_512(a), &w[r * n..(r + 1) * n], xt);
+            }
+        }
+    }
+}
+
+/// `outs[t][r - row0] = w[r, :] . x[t, :]` for rows `row0 .. row0 + outs[t].len()` of `w` and every
+/// token row of `x` (`[outs.len(), n_in]`): the bits [`rows_of`] gives token by token, register-tiled
+/// where a kernel exists (bf16 and Q8_0 on AVX-512), else token by token.
+fn rows_of_tokens(w: WeightView<'_>, x: &[f32], n_in: usize, row0: usize, outs: &mut [&mut [f32]]) {
+    let rows = outs.first().map_or(0, |o| o.len());
+    match (w.rows(row0, row0 + rows, n_in), Isa::best().clamp()) {
+        // SAFETY: `clamp` says this CPU runs AVX-512 F/BW/VL.
+        #[cfg(target_arch = "x86_64")]
+        (WeightView::Bf16(wb), Isa::Avx512) => return unsafe { gemm512::gemm_bf16(wb, x, n_in, outs) },
+        (WeightView::Q8_0 { blocks, .. }, _) => {
+            return codecs::q8_0::matmul_rows(blocks, x, n_in, outs).expect("a view's rows were checked when it was made")
+        }
+        _ => {}
+    }
+    for (xr, o) in x.chunks_exact(n_in).zip(outs.iter_mut()) {
+        rows_of(w, xr, row0, o);
+    }
+}
+
 fn rows_bf16(isa: Isa, w: &[half::bf16], x: &[f32], out: &mut [f32]) {
     match isa.clamp() {
         // SAFETY: `clamp` returns a level this CPU runs.
@@ -273,40 +368,66 @@ fn rows_of(w: WeightView<'_>, x: &[f32], row0: usize, out: &mut [f32]) {
     ok.expect("a view's rows were checked when it was made");
 }
 
-/// Threads the CPU ops run on (rayon's global pool; `RAYON_NUM_THREADS` sets it).
-pub fn threads() -> usize {
-    rayon::current_num_threads()
-}
-
-/// Weight elements one rayon task reads at least: below this, task overhead outweighs the work.
+/// Weight elements one task reads at least: below this, handing work to another thread costs more
+/// than it saves.
 const MIN_TASK_ELEMS: usize = 32 * 1024;
 
-/// Rows per rayon task: about four tasks per thread (load balance), never tiny ones.
+/// Rows per task: about four tasks per thread (load balance on a shared machine), never tiny ones.
 fn rows_per_task(n_out: usize, n_in: usize) -> usize {
-    let threads = rayon::current_num_threads().max(1);
-    let balanced = n_out.div_ceil(threads * 4);
+    let balanced = n_out.div_ceil(threads() * 4);
     let min_rows = MIN_TASK_ELEMS.div_ceil(n_in.max(1));
     balanced.max(min_rows).max(1)
 }
 
-/// `out[o] = sum_i w[o, i] * x[i]`, rayon over chunks of output rows.
+/// An output buffer the tasks of one pool region write, each in its own ranges.
+struct SharedOut<'a> {
+    ptr: *mut f32,
+    len: usize,
+    _out: PhantomData<&'a mut [f32]>,
+}
+
+// SAFETY: tasks only reach the buffer through `range`, whose callers keep their ranges disjoint.
+unsafe impl Sync for SharedOut<'_> {}
+
+impl<'a> SharedOut<'a> {
+    fn new(out: &'a mut [f32]) -> SharedOut<'a> {
+        SharedOut { ptr: out.as_mut_ptr(), len: out.len(), _out: PhantomData }
+    }
+
+    /// `out[r]`.
+    ///
+    /// # Safety
+    /// No other slice of `r` obtained from this buffer is alive (each task has its own ranges).
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn range(&self, r: Range<usize>) -> &mut [f32] {
+        assert!(r.start <= r.end && r.end <= self.len, "range {r:?} of {}", self.len);
+        // SAFETY: in bounds (asserted), unaliased (the caller's contract), alive for 'a.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r.start), r.len()) }
+    }
+}
+
+/// `out[o] = sum_i w[o, i] * x[i]`, chunks of output rows spread over the pool (one region).
 pub fn matvec(w: WeightView<'_>, x: &[f32], out: &mut [f32]) {
     assert_eq!(w.len(), out.len() * x.len(), "matvec weight is not [out, in]");
     if x.is_empty() {
         out.iter_mut().for_each(|o| *o = 0.0);
         return;
     }
-    let chunk = rows_per_task(out.len(), x.len());
-    if chunk >= out.len() {
-        rows_of(w, x, 0, out);
-    } else {
-        out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| rows_of(w, x, c * chunk, o));
+    let (n_out, chunk) = (out.len(), rows_per_task(out.len(), x.len()));
+    if chunk >= n_out {
+        return rows_of(w, x, 0, out);
     }
+    let out = SharedOut::new(out);
+    pool::for_each_task(n_out.div_ceil(chunk), |c| {
+        let rows = c * chunk..((c + 1) * chunk).min(n_out);
+        // SAFETY: task c alone writes rows c * chunk .. (c + 1) * chunk.
+        rows_of(w, x, rows.start, unsafe { out.range(rows) });
+    });
 }
 
 /// `out[t, o] = sum_i w[o, i] * x[t, i]` for `t` rows of `x` (`[t, in]` row-major). Each output
-/// equals what [`matvec`] gives for that row of `x`, bit for bit. Rayon splits the weight rows, and
-/// each task runs all rows of `x` over its rows while they are in cache: weights are read once.
+/// equals what [`matvec`] gives for that row of `x`, bit for bit. The pool splits the weight rows,
+/// and each task runs all rows of `x` over its rows while they are in cache: weights are read once.
 pub fn matmul(w: WeightView<'_>, x: &[f32], n_in: usize, out: &mut [f32]) {
     assert!(n_in > 0, "matmul with n_in = 0");
     assert_eq!(x.len() % n_in, 0);
@@ -318,25 +439,43 @@ pub fn matmul(w: WeightView<'_>, x: &[f32], n_in: usize, out: &mut [f32]) {
         return matvec(w, x, out);
     }
     let chunk = rows_per_task(n_out, n_in);
-    // Per task: its rows' outputs for every row of x, `[t, rows]`; scattered into `out` after.
-    let blocks: Vec<(usize, Vec<f32>)> = (0..n_out.div_ceil(chunk))
-        .into_par_iter()
-        .map(|c| {
-            let r0 = c * chunk;
-            let rows = chunk.min(n_out - r0);
-            let mut y = vec![0.0; t * rows];
-            for (xr, yr) in x.chunks_exact(n_in).zip(y.chunks_exact_mut(rows)) {
-                rows_of(w, xr, r0, yr);
-            }
-            (r0, y)
-        })
-        .collect();
-    for (r0, y) in blocks {
-        let rows = y.len() / t;
-        for (yr, or) in y.chunks_exact(rows).zip(out.chunks_exact_mut(n_out)) {
-            or[r0..r0 + rows].copy_from_slice(yr);
-        }
+    let out = SharedOut::new(out);
+    pool::for_each_task(n_out.div_ceil(chunk), |c| {
+        let (r0, r1) = (c * chunk, ((c + 1) * chunk).min(n_out));
+        // SAFETY: task c alone writes columns r0..r1 of every output row.
+        let mut outs: Vec<&mut [f32]> = (0..t).map(|i| unsafe { out.range(i * n_out + r0..i * n_out + r1) }).collect();
+        rows_of_tokens(w, x, n_in, r0, &mut outs);
+    });
+}
+
+/// The wrapping sum of `data` as u64 words, read in parallel on the pool (a streaming read: what
+/// [`read_bandwidth_gb_s`] times).
+pub fn sum_words(data: &[u64]) -> u64 {
+    let tasks = (threads() * 4).min(data.len().max(1));
+    let chunk = data.len().div_ceil(tasks).max(1);
+    let sums: Vec<std::sync::atomic::AtomicU64> = (0..tasks).map(|_| Default::default()).collect();
+    pool::for_each_task(tasks, |c| {
+        let part = &data[(c * chunk).min(data.len())..((c + 1) * chunk).min(data.len())];
+        // Wrapping integer adds are associative: LLVM vectorizes this into wide loads.
+        let s = part.iter().fold(0u64, |a, &w| a.wrapping_add(w));
+        sums[c].store(s, std::sync::atomic::Ordering::Relaxed);
+    });
+    sums.iter().fold(0u64, |a, s| a.wrapping_add(s.load(std::sync::atomic::Ordering::Relaxed)))
+}
+
+/// The rate this machine streams memory into the pool's threads: the best of `passes` parallel
+/// reads of a `bytes` buffer (far larger than the caches), in GB/s (1e9 bytes), as STREAM reports
+/// its best. The ceiling for a decode step, which reads every weight once.
+pub fn read_bandwidth_gb_s(bytes: usize, passes: usize) -> f64 {
+    // Written first, so the pages exist (a fresh allocation would read the shared zero page).
+    let data: Vec<u64> = (0..bytes / 8).map(|i| i as u64).collect();
+    let mut best = f64::INFINITY;
+    for _ in 0..passes.max(1) {
+        let t = std::time::Instant::now();
+        std::hint::black_box(sum_words(std::hint::black_box(&data)));
+        best = best.min(t.elapsed().as_secs_f64());
     }
+    (data.len() * 8) as f64 / best / 1e9
 }
 
 /// HF default inverse frequencies `1 / theta^(2i/d)` for `i < d/2`.
@@ -439,15 +578,12 @@ pub fn attention(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos: usize, p: Att
         Some(w) => (pos + 1).saturating_sub(w),
         None => 0,
     };
-    let head = |(h, o): (usize, &mut [f32])| {
+    let head = |h: usize, o: &mut [f32]| {
         let kvh = h / group;
         let qh = &q[h * hd..(h + 1) * hd];
-        let mut scores: Vec<f32> = (start..=pos)
-            .map(|t| {
-                let k = &k_cache[t * kv_dim + kvh * hd..t * kv_dim + (kvh + 1) * hd];
-                qh.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * p.scale
-            })
-            .collect();
+        let mut scores = Vec::with_capacity(pos + 1 - start);
+        attention_scores(qh, &k_cache[kvh * hd..], kv_dim, start..pos + 1, &mut scores);
+        scores.iter_mut().for_each(|s| *s *= p.scale);
         if let Some(cap) = p.softcap {
             softcap(&mut scores, cap);
         }
@@ -460,11 +596,40 @@ pub fn attention(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos: usize, p: Att
             }
         }
     };
-    // Heads are independent: parallel once there is enough work to pay for waking the pool.
+    // Heads are independent: parallel once there is enough work to pay for a pool region.
     if p.num_heads * (pos + 1 - start) * hd >= MIN_TASK_ELEMS {
-        out.par_chunks_mut(hd).enumerate().for_each(head);
+        let out = SharedOut::new(out);
+        // SAFETY: task h alone writes head h's outputs.
+        pool::for_each_task(p.num_heads, |h| head(h, unsafe { out.range(h * hd..(h + 1) * hd) }));
     } else {
-        out.chunks_mut(hd).enumerate().for_each(head);
+        out.chunks_mut(hd).enumerate().for_each(|(h, o)| head(h, o));
+    }
+}
+
+/// Positions whose scores [`attention_scores`] sums side by side: independent add chains, where
+/// one dot product alone waits on each add.
+const SCORE_POSITIONS: usize = 8;
+
+/// `q . k_t` for each position `t` of `positions`, where `k_t = k[t * stride..][..q.len()]`, each
+/// summed in order over the head dimension from the neutral element of `Iterator::sum` (the bits of
+/// `q.iter().zip(k_t).map(|(a, b)| a * b).sum()`), [`SCORE_POSITIONS`] positions at a time.
+fn attention_scores(q: &[f32], k: &[f32], stride: usize, positions: Range<usize>, out: &mut Vec<f32>) {
+    let hd = q.len();
+    let zero: f32 = std::iter::empty::<f32>().sum();
+    let mut t = positions.start;
+    while t + SCORE_POSITIONS <= positions.end {
+        let rows: [&[f32]; SCORE_POSITIONS] = std::array::from_fn(|j| &k[(t + j) * stride..(t + j) * stride + hd]);
+        let mut acc = [zero; SCORE_POSITIONS];
+        for (d, &qd) in q.iter().enumerate() {
+            for (a, r) in acc.iter_mut().zip(&rows) {
+                *a += qd * r[d];
+            }
+        }
+        out.extend_from_slice(&acc);
+        t += SCORE_POSITIONS;
+    }
+    for t in t..positions.end {
+        out.push(q.iter().zip(&k[t * stride..t * stride + hd]).map(|(a, b)| a * b).sum::<f32>());
     }
 }
 
@@ -593,7 +758,7 @@ mod tests {
 
     #[test]
     fn matvec_chunked_equals_per_row_dot_with_tails() {
-        // 300 rows x 37 inputs: several rayon chunks, a 16-lane body and a 5-element tail per row.
+        // 300 rows x 37 inputs: a 16-lane body and a 5-element tail per row.
         let (n_out, n_in) = (300usize, 37usize);
         let w: Vec<f32> = (0..n_out * n_in).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 256.0).collect();
         let x: Vec<f32> = (0..n_in).map(|i| (i as f32 - 18.0) / 8.0).collect();
@@ -616,6 +781,94 @@ mod tests {
         let mut o2 = vec![0.0; n_out];
         matvec(WeightView::Bf16(&wb), &x2[n_in..], &mut o2);
         assert_eq!(&m[n_out..], &o2[..]);
+    }
+
+    #[test]
+    fn pool_regions_equal_one_serial_pass_bit_for_bit() {
+        // 640 x 512: 64 rows at least per task, so several tasks whatever the thread count; a
+        // 3-row matmul, and attention over enough positions to take the pool.
+        let (n_out, n_in) = (640usize, 512usize);
+        let wb: Vec<bf16> = (0..n_out * n_in).map(|i| bf16::from_f32(((i * 7919 % 1999) as f32 - 999.0) / 500.0)).collect();
+        let x: Vec<f32> = (0..3 * n_in).map(|i| ((i * 104729 % 401) as f32 - 200.0) / 100.0).collect();
+        assert!(rows_per_task(n_out, n_in) < n_out);
+        let mut serial = vec![0.0; 3 * n_out];
+        for (xr, or) in x.chunks_exact(n_in).zip(serial.chunks_exact_mut(n_out)) {
+            rows_of(WeightView::Bf16(&wb), xr, 0, or);
+        }
+        let mut o = vec![0.0; n_out];
+        matvec(WeightView::Bf16(&wb), &x[..n_in], &mut o);
+        assert_eq!(o, serial[..n_out]);
+        let mut m = vec![0.0; 3 * n_out];
+        matmul(WeightView::Bf16(&wb), &x, n_in, &mut m);
+        assert_eq!(m, serial);
+
+        let p = AttnParams { num_heads: 4, num_kv_heads: 2, head_dim: 64, scale: 0.125, window: None, softcap: None };
+        let pos = 200; // 4 heads * 201 positions * 64 >= MIN_TASK_ELEMS
+        let kv: Vec<f32> = (0..(pos + 1) * 2 * 64).map(|i| ((i * 31 % 97) as f32 - 48.0) / 50.0).collect();
+        let q: Vec<f32> = (0..4 * 64).map(|i| ((i * 17 % 23) as f32 - 11.0) / 10.0).collect();
+        let mut pooled = vec![0.0; 4 * 64];
+        attention(&q, &kv, &kv, pos, p, &mut pooled);
+        // One head at a time: each a single-head call over that head's query and kv head.
+        for h in 0..4 {
+            let kvh = h / 2;
+            let k1: Vec<f32> = (0..=pos).flat_map(|t| kv[t * 128 + kvh * 64..t * 128 + kvh * 64 + 64].to_vec()).collect();
+            let one = AttnParams { num_heads: 1, num_kv_heads: 1, ..p };
+            let mut o1 = vec![0.0; 64];
+            attention(&q[h * 64..(h + 1) * 64], &k1, &k1, pos, one, &mut o1);
+            assert_eq!(o1, pooled[h * 64..(h + 1) * 64], "head {h}");
+        }
+    }
+
+    #[test]
+    fn parallel_word_sum_equals_the_serial_one() {
+        let n = 100_003u64;
+        let data: Vec<u64> = (0..n).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)).collect();
+        assert_eq!(sum_words(&data), data.iter().fold(0u64, |a, &w| a.wrapping_add(w)));
+        assert_eq!(sum_words(&[]), 0);
+        assert_eq!(sum_words(&(0..10).collect::<Vec<u64>>()), 45);
+        assert!(read_bandwidth_gb_s(1 << 20, 2) > 0.0);
+    }
+
+    #[test]
+    fn prefill_tiles_equal_token_by_token_rows_bit_for_bit() {
+        // 11 rows (two 4-row tiles and 3 single rows) x 83 inputs (5 blocks and a 3-element tail),
+        // 9 tokens (two 4-token tiles and one single token).
+        let (n_out, n_in, t) = (11usize, 16 * 5 + 3, 9usize);
+        let wb: Vec<bf16> = (0..n_out * n_in).map(|i| bf16::from_f32(((i * 2654435761usize % 2001) as f32 - 1000.0) / 97.0)).collect();
+        let x: Vec<f32> = (0..t * n_in).map(|i| ((i * 40503 % 301) as f32 - 150.0) / 13.0).collect();
+        let mut want = vec![0.0; t * n_out];
+        for (xr, o) in x.chunks_exact(n_in).zip(want.chunks_exact_mut(n_out)) {
+            rows_portable(&wb, xr, o);
+        }
+        let mut got = vec![0.0; t * n_out];
+        let mut outs: Vec<&mut [f32]> = got.chunks_exact_mut(n_out).collect();
+        rows_of_tokens(WeightView::Bf16(&wb), &x, n_in, 0, &mut outs);
+        assert_eq!(got, want);
+        // From row 3 on (a view's later rows), through matmul's split too.
+        let mut part = vec![0.0; t * (n_out - 3)];
+        let mut outs: Vec<&mut [f32]> = part.chunks_exact_mut(n_out - 3).collect();
+        rows_of_tokens(WeightView::Bf16(&wb), &x, n_in, 3, &mut outs);
+        for (p, w) in part.chunks_exact(n_out - 3).zip(want.chunks_exact(n_out)) {
+            assert_eq!(p, &w[3..]);
+        }
+        let mut m = vec![0.0; t * n_out];
+        matmul(WeightView::Bf16(&wb), &x, n_in, &mut m);
+        assert_eq!(m, want);
+    }
+
+    #[test]
+    fn attention_scores_equal_one_dot_at_a_time_bit_for_bit() {
+        // 19 positions (two groups of 8 and 3 alone), head_dim 24, kv rows of 40 (a head's slice).
+        let (hd, stride, n) = (24usize, 40usize, 19usize);
+        let q: Vec<f32> = (0..hd).map(|i| ((i * 37 % 29) as f32 - 14.0) / 7.0).collect();
+        let mut k: Vec<f32> = (0..n * stride).map(|i| ((i * 7919 % 1009) as f32 - 504.0) / 91.0).collect();
+        k[3 * stride..3 * stride + hd].iter_mut().for_each(|v| *v = 0.0); // an all-zero key
+        for start in [0usize, 5] {
+            let mut got = Vec::new();
+            attention_scores(&q, &k, stride, start..n, &mut got);
+            let want: Vec<f32> = (start..n).map(|t| q.iter().zip(&k[t * stride..t * stride + hd]).map(|(a, b)| a * b).sum::<f32>()).collect();
+            assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        }
     }
 
     #[test]
