@@ -528,7 +528,7 @@ mod tests {
         fn open(_: ()) -> Result<Box<dyn Engine + Send>, EngineError> {
             unreachable!("selection never opens")
         }
-        CompiledEngine { arch, family, fingerprint, math: TINY_MATH, open }
+        CompiledEngine { arch, family, fingerprint, math: TINY_MATH, max_seq: 64, open }
     }
 
     fn known(name: &'static str, fingerprint: &'static str) -> KnownArch {
