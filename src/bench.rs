@@ -30,6 +30,8 @@ pub struct BenchOptions {
     pub json: bool,
     pub profile: bool,
     pub timeline: bool,
+    /// `--no-verify`: skip the page check at load (said once on stderr).
+    pub no_verify: bool,
 }
 
 /// Prompt ids for a pp run: deterministic, spread over the vocabulary, no special meaning.
@@ -39,7 +41,13 @@ fn synthetic_prompt(n: usize, vocab: usize) -> Vec<u32> {
 
 pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     let start = Instant::now();
-    let mut session = thin::open(file, &thin::Options { backend: opts.backend, ctx: Some(opts.ctx), progress: !opts.json, timeline: opts.timeline })
+    let integrity = if opts.no_verify {
+        eprintln!("--no-verify: the pages of {} are not checked against their blake3", file.display());
+        thin::Integrity::Trust
+    } else {
+        thin::Integrity::Verify
+    };
+    let mut session = thin::open_with(file, &thin::Options { backend: opts.backend, ctx: Some(opts.ctx), progress: !opts.json, timeline: opts.timeline }, integrity)
         .with_context(|| format!("opening {}", file.display()))?;
     let m = session.archive().manifest();
     let vocab = m.arch.dims.vocab_size as usize;
@@ -127,6 +135,7 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
         "peak_method": "cuMemGetInfo used at the end minus used once the CUDA context existed",
         "held_gib": held,
         "cold_start_to_first_token_s": first_token_s,
+        "pages_verified": !opts.no_verify,
         "load": e.load_stats(),
         "kernels": kernels,
         "timeline": timeline,

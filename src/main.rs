@@ -99,6 +99,10 @@ enum Command {
         /// write (a separately compiled, stamped build of the kernels).
         #[arg(long)]
         timeline: bool,
+        /// Skip the blake3 check of the archive's pages at load (its cost is then out of the
+        /// cold start figure).
+        #[arg(long)]
+        no_verify: bool,
     },
     /// Teacher-forced logits of the GPU engine over given ids, as raw f32 rows (for fidelity checks).
     Logits {
@@ -229,8 +233,8 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Bench { file, backend, ctx, warmup, steps, pp, tg, reps, json, profile, timeline } => {
-            bench::bench(&file, &bench::BenchOptions { backend, ctx, warmup, steps, pp, tg, reps, json, profile, timeline })
+        Command::Bench { file, backend, ctx, warmup, steps, pp, tg, reps, json, profile, timeline, no_verify } => {
+            bench::bench(&file, &bench::BenchOptions { backend, ctx, warmup, steps, pp, tg, reps, json, profile, timeline, no_verify })
         }
         Command::Logits { file, ids, prompt_len, out, ctx, cpu } => bench::logits(&file, &ids, prompt_len, &out, ctx, cpu),
         Command::Verify { file } => {

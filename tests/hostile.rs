@@ -274,4 +274,11 @@ fn a_damaged_weight_page_is_refused_by_every_command_that_loads_it() {
     let err = stderr(&o);
     assert_eq!(err.matches("--no-verify").count(), 1, "{err}");
     assert!(err.starts_with(&format!("--no-verify: the pages of {} are not checked against their blake3\n", a.display())), "{err}");
+    // bench too: it runs, says so once, and records that the pages went unchecked.
+    let b = ["bench", utf8(&a), "--backend", "cpu", "--ctx", "64", "--steps", "1", "--reps", "1", "--pp", "4", "--tg", "2", "--warmup", "0", "--json", "--no-verify"];
+    let o = thin(&b);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stderr(&o).matches("--no-verify").count(), 1, "{}", stderr(&o));
+    let rec: serde_json::Value = serde_json::from_slice(&o.stdout).expect("bench JSON");
+    assert_eq!(rec["pages_verified"], false);
 }
