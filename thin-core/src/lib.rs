@@ -14,6 +14,7 @@ pub mod gguf;
 pub mod manifest;
 pub mod names;
 pub mod quant;
+pub mod residency;
 pub mod role;
 pub mod safetensors_dir;
 pub mod sampler;

@@ -1,0 +1,737 @@
+//! Which weights stay resident on the GPU and which would stream over the host link, decided
+//! before anything is allocated: what `thin plan` prints and what `run`/`bench` check when they
+//! load on the CUDA backend. Host-only arithmetic over the archive's manifest and the CUDA buffer
+//! layout ([`crate::cuda::plan::Layout`]); no device is needed.
+//!
+//! The device holds, besides the weights: the activations and the KV cache (the layout's arena),
+//! cuBLAS's workspace, and the kernel module with the captured decode graph. The last two are
+//! allowances calibrated on the device, not computed (see [`CUBLAS_WORKSPACE_BYTES`]).
+//!
+//! Streaming keeps the token embedding, the LM head and every norm resident, then as many whole
+//! layers as fit (the first ones: the ring then has the whole resident prefix of the step to fetch
+//! the first streamed layer), and leaves room for a ring of [`RING_SLOTS`] buffers, each the size
+//! of the largest streamed layer. Every streamed layer crosses the host link once per token.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::cuda::plan::{Layout, ALIGN};
+use crate::dtype::DType;
+use crate::manifest::{Manifest, TensorEntry};
+use crate::role::Role;
+use crate::weight_format::WeightLayout;
+
+/// cuBLAS's own workspace for prefill's GEMMs: the library's default on Hopper (32 MiB; 4 MiB on
+/// older GPUs — the larger is taken). The runtime does not set one.
+pub const CUBLAS_WORKSPACE_BYTES: u64 = 32 << 20;
+/// The kernel module, the captured decode graph and the driver's other allocations for them.
+/// Calibrated on the device: `peak_gib - held_gib` (what cuMemGetInfo says the engine added,
+/// minus its own weight and arena buffers) was 71.5 to 73.2 MiB for SmolLM2-135M, Gemma-3-270M,
+/// Llama-3.2-1B and SmolLM3-3B, bf16, ctx 4096, on H100 and H200 (bench/results/runs/
+/// run28-ae1d926-h100-formats-raw.tgz and run29-751a5ec-h100-dims-formats-ab-raw.tgz, `load`
+/// objects). Less the 32 MiB of cuBLAS that is at most 41.2 MiB; 48 MiB leaves about 7 MiB of margin.
+pub const MODULE_AND_GRAPH_BYTES: u64 = 48 << 20;
+/// Streaming buffers in the ring. Two: the layer being computed reads one while the copy stream
+/// fills the other with the next streamed layer. A streamed layer takes far longer to cross the
+/// host link than to compute (SmolLM3-3B: 156 MB, about 3 ms at 50 GB/s, against tens of µs from
+/// HBM), so with two the link is never idle and a third slot would only cost a layer's memory.
+pub const RING_SLOTS: usize = 2;
+/// Host-to-device bandwidth when none was measured: PCIe Gen5 x16 carries 63 GB/s a direction
+/// after 128b/130b coding; 80% of that, 50 GB/s, is assumed reachable for pinned copies. Assumed.
+pub const ASSUMED_LINK_GB_S: f64 = 50.0;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ResidencyError {
+    #[error("weight {role:?} {layer:?} is read by the CUDA schedule but absent from the archive")]
+    MissingWeight { role: Role, layer: Option<u32> },
+    #[error("{}", does_not_fit(.plan, *.min_gpu_mem))]
+    DoesNotFit { plan: Box<ResidencyPlan>, min_gpu_mem: u64 },
+    #[error("{}", streaming_not_built(.plan))]
+    StreamingNotBuilt { plan: Box<ResidencyPlan> },
+}
+
+fn does_not_fit(plan: &ResidencyPlan, min_gpu_mem: u64) -> String {
+    format!(
+        "the model cannot run on this GPU even streaming: it needs {} on the device with {} of {} layers streamed ({} always resident, a ring of {} × {}, KV cache {} at ctx {}, activations {}, cuBLAS workspace + module/graph {}); {}. The smallest that runs: --gpu-mem {} (or a smaller --ctx)",
+        show(plan.min_stream_bytes),
+        plan.streamed_layers.len(),
+        plan.layer_bytes.len(),
+        show(plan.always_resident_bytes),
+        plan.ring_slots,
+        show(plan.ring_slot_bytes),
+        show(plan.kv_bytes),
+        plan.ctx,
+        show(plan.activation_bytes),
+        show(plan.cublas_workspace_bytes + plan.module_and_graph_bytes),
+        plan.budget.describe(),
+        show_gpu_mem(min_gpu_mem)
+    )
+}
+
+fn streaming_not_built(plan: &ResidencyPlan) -> String {
+    format!(
+        "the model does not fit this GPU with every weight resident: it needs {} at ctx {}; {}. The plan would keep {} of {} layers resident and stream {} ({} a token, at most {:.1} tok/s over a {:.0} GB/s host link{}), but this runtime only runs with every weight resident: weight streaming (issue 28) is not built yet. Give it --gpu-mem {} or more, a smaller --ctx, or use --backend cpu",
+        show(plan.all_resident_bytes),
+        plan.ctx,
+        plan.budget.describe(),
+        plan.resident_layers.len(),
+        plan.layer_bytes.len(),
+        plan.streamed_layers.len(),
+        show(plan.streamed_bytes_per_token),
+        plan.bound_tok_s.unwrap_or(0.0),
+        plan.link.gb_s,
+        if plan.link.measured { "" } else { ", assumed" },
+        show_gpu_mem(plan.all_resident_bytes)
+    )
+}
+
+/// One weight the CUDA schedule reads: its bytes on the device and the archive pages holding it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WeightSpan {
+    pub role: Role,
+    pub layer: Option<u32>,
+    /// Bytes it takes on the device, aligned as the runtime lays weights out back to back.
+    pub bytes: u64,
+    /// Pages `first_page .. first_page + page_count` of the archive hold it.
+    pub first_page: u32,
+    pub page_count: u32,
+}
+
+impl WeightSpan {
+    /// Stays resident in every plan: outside the layers (embedding, LM head, final norm) or a norm.
+    pub fn always_resident(&self) -> bool {
+        self.layer.is_none() || self.role.is_norm()
+    }
+}
+
+/// What a model needs on the device at one context length, before any placement is chosen.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Demand {
+    pub ctx: usize,
+    pub weights: Vec<WeightSpan>,
+    pub kv_bytes: u64,
+    /// The layout's arena less its KV cache: decode and prefill activations, RoPE tables.
+    pub activation_bytes: u64,
+    pub cublas_workspace_bytes: u64,
+    pub module_and_graph_bytes: u64,
+}
+
+/// Bytes a tensor takes on the device: as stored, except an MXFP4 matrix without a row postscale,
+/// which the runtime uploads with a bf16 one; each aligned to [`ALIGN`] as the runtime packs them.
+fn device_len(t: &TensorEntry) -> u64 {
+    let mut n = t.byte_len;
+    if t.dtype == DType::Mxfp4 {
+        let bare = WeightLayout::of(DType::Mxfp4, &t.shape, false).map(|l| l.byte_len);
+        let with = WeightLayout::of(DType::Mxfp4, &t.shape, true).map(|l| l.byte_len);
+        if let (Ok(bare), Ok(with)) = (bare, with) {
+            if bare == n {
+                n = with;
+            }
+        }
+    }
+    n.div_ceil(ALIGN as u64) * ALIGN as u64
+}
+
+impl Demand {
+    /// The weights `layout` says the schedule reads, from `m`, and the layout's buffers.
+    pub fn of(m: &Manifest, layout: &Layout) -> Result<Demand, ResidencyError> {
+        let weights = layout
+            .types
+            .keys()
+            .map(|&(role, layer)| {
+                let t = m.tensor(role, layer).ok_or(ResidencyError::MissingWeight { role, layer })?;
+                Ok(WeightSpan { role, layer, bytes: device_len(t), first_page: t.first_page, page_count: t.page_count })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let kv = layout.kv_bytes() as u64;
+        Ok(Demand {
+            ctx: layout.ctx,
+            weights,
+            kv_bytes: kv,
+            activation_bytes: layout.total_bytes as u64 - kv,
+            cublas_workspace_bytes: CUBLAS_WORKSPACE_BYTES,
+            module_and_graph_bytes: MODULE_AND_GRAPH_BYTES,
+        })
+    }
+
+    /// Everything but the layers' matrices: always-resident weights, KV, activations, allowances.
+    fn fixed_bytes(&self) -> u64 {
+        let resident: u64 = self.weights.iter().filter(|w| w.always_resident()).map(|w| w.bytes).sum();
+        resident + self.kv_bytes + self.activation_bytes + self.cublas_workspace_bytes + self.module_and_graph_bytes
+    }
+
+    /// Bytes of each layer's matrices (norms excluded), by layer index.
+    fn layer_bytes(&self) -> BTreeMap<u32, u64> {
+        let mut out = BTreeMap::new();
+        for w in self.weights.iter().filter(|w| !w.always_resident()) {
+            if let Some(l) = w.layer {
+                *out.entry(l).or_insert(0) += w.bytes;
+            }
+        }
+        out
+    }
+}
+
+/// The device memory a plan may take.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct Budget {
+    /// `--gpu-mem`: the most this engine may allocate (weights, arena, workspace, module, graph;
+    /// not the CUDA context, which the driver holds before any of it — as HF's `max_memory`).
+    pub gpu_mem: Option<u64>,
+    /// Free device memory once the CUDA context exists, as the driver reports it.
+    pub free: Option<u64>,
+}
+
+impl Budget {
+    /// The smaller of the limit and the free memory; `None` when neither is known.
+    pub fn bytes(&self) -> Option<u64> {
+        match (self.gpu_mem, self.free) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// `--gpu-mem 2.00 GiB, 76.3 GiB free`, or that the budget is unknown.
+    pub fn describe(&self) -> String {
+        match (self.gpu_mem, self.free) {
+            (Some(l), Some(f)) => format!("the budget is --gpu-mem {} ({} free on the device)", show(l), show(f)),
+            (Some(l), None) => format!("the budget is --gpu-mem {}", show(l)),
+            (None, Some(f)) => format!("the budget is the {} free on the device", show(f)),
+            (None, None) => "the device budget is unknown (no GPU answered and no --gpu-mem)".into(),
+        }
+    }
+}
+
+/// Host-to-device bandwidth the tok/s bound is computed with.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Link {
+    pub gb_s: f64,
+    /// False: [`ASSUMED_LINK_GB_S`] or another figure not measured on this machine.
+    pub measured: bool,
+}
+
+impl Default for Link {
+    fn default() -> Self {
+        Link { gb_s: ASSUMED_LINK_GB_S, measured: false }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Decision {
+    /// Every weight on the device.
+    AllResident,
+    /// The layers in `streamed_layers` cross the host link every token.
+    Stream,
+    /// No budget known: the plan shown is every weight resident, with the budgets that would run.
+    BudgetUnknown,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Placement {
+    Resident,
+    Streamed,
+}
+
+/// One weight and where the plan keeps it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TensorPlacement {
+    #[serde(flatten)]
+    pub weight: WeightSpan,
+    pub placement: Placement,
+}
+
+/// The decision and every number it was made from.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ResidencyPlan {
+    pub decision: Decision,
+    pub ctx: usize,
+    pub budget: Budget,
+    pub link: Link,
+    /// Every weight the schedule reads, on the device.
+    pub weight_bytes: u64,
+    /// Weight bytes by role (all layers together).
+    pub role_bytes: BTreeMap<&'static str, u64>,
+    /// Each layer's matrices (norms excluded), by layer index.
+    pub layer_bytes: Vec<u64>,
+    /// Embedding, LM head and every norm: resident in every plan.
+    pub always_resident_bytes: u64,
+    pub kv_bytes: u64,
+    pub activation_bytes: u64,
+    pub cublas_workspace_bytes: u64,
+    pub module_and_graph_bytes: u64,
+    pub resident_layers: Vec<u32>,
+    pub streamed_layers: Vec<u32>,
+    /// Streaming buffers (0 when nothing streams) and the bytes of each.
+    pub ring_slots: usize,
+    pub ring_slot_bytes: u64,
+    /// What this plan allocates on the device.
+    pub device_bytes: u64,
+    /// Bytes over the host link per decoded token: every streamed layer once.
+    pub streamed_bytes_per_token: u64,
+    /// `link.gb_s / streamed_bytes_per_token`; `None` when nothing streams.
+    pub bound_tok_s: Option<f64>,
+    /// The smallest budget that runs every weight resident.
+    pub all_resident_bytes: u64,
+    /// The smallest budget that runs at all (streaming as many layers as that takes).
+    pub min_stream_bytes: u64,
+    /// Every weight with its pages and placement, in the schedule's weight order.
+    pub tensors: Vec<TensorPlacement>,
+}
+
+/// Decide the placement of `d`'s weights within `budget`, the tok/s bound over `link`.
+/// Below the smallest streaming need: [`ResidencyError::DoesNotFit`] with that plan.
+pub fn plan(d: &Demand, budget: Budget, link: Link) -> Result<ResidencyPlan, ResidencyError> {
+    let fixed = d.fixed_bytes();
+    let layers = d.layer_bytes();
+    let ids: Vec<u32> = layers.keys().copied().collect();
+    let sizes: Vec<u64> = layers.values().copied().collect();
+    let total: u64 = sizes.iter().sum();
+    // Device bytes with the first `k` layers resident and the rest through the ring.
+    let need = |k: usize| -> (u64, u64) {
+        if k == sizes.len() {
+            return (fixed + total, 0);
+        }
+        let slot = sizes[k..].iter().copied().max().unwrap_or(0);
+        (fixed + sizes[..k].iter().sum::<u64>() + RING_SLOTS as u64 * slot, slot)
+    };
+    let all_resident = need(sizes.len()).0;
+    let min_k = (0..sizes.len()).min_by_key(|&k| need(k).0);
+    let min_stream = min_k.map_or(all_resident, |k| need(k).0.min(all_resident));
+    let build = |decision, k: usize| {
+        let (device, slot) = need(k);
+        let streamed: Vec<u32> = ids[k..].to_vec();
+        let streamed_bytes: u64 = sizes[k..].iter().sum();
+        let mut role_bytes = BTreeMap::new();
+        for w in &d.weights {
+            *role_bytes.entry(w.role.name()).or_insert(0) += w.bytes;
+        }
+        let tensors = d
+            .weights
+            .iter()
+            .map(|w| {
+                let streams = !w.always_resident() && w.layer.is_some_and(|l| streamed.contains(&l));
+                TensorPlacement { weight: w.clone(), placement: if streams { Placement::Streamed } else { Placement::Resident } }
+            })
+            .collect();
+        ResidencyPlan {
+            decision,
+            ctx: d.ctx,
+            budget,
+            link,
+            weight_bytes: d.weights.iter().map(|w| w.bytes).sum(),
+            role_bytes,
+            layer_bytes: sizes.clone(),
+            always_resident_bytes: d.weights.iter().filter(|w| w.always_resident()).map(|w| w.bytes).sum(),
+            kv_bytes: d.kv_bytes,
+            activation_bytes: d.activation_bytes,
+            cublas_workspace_bytes: d.cublas_workspace_bytes,
+            module_and_graph_bytes: d.module_and_graph_bytes,
+            resident_layers: ids[..k].to_vec(),
+            ring_slots: if streamed.is_empty() { 0 } else { RING_SLOTS },
+            streamed_layers: streamed,
+            ring_slot_bytes: slot,
+            device_bytes: device,
+            streamed_bytes_per_token: streamed_bytes,
+            bound_tok_s: (streamed_bytes > 0).then(|| link.gb_s * 1e9 / streamed_bytes as f64),
+            all_resident_bytes: all_resident,
+            min_stream_bytes: min_stream,
+            tensors,
+        }
+    };
+    let Some(avail) = budget.bytes() else {
+        return Ok(build(Decision::BudgetUnknown, sizes.len()));
+    };
+    if all_resident <= avail {
+        return Ok(build(Decision::AllResident, sizes.len()));
+    }
+    // The most resident layers whose plan fits (need(k) grows with k for equal layers; every k
+    // is tried, so layers of unequal size are handled too).
+    match (0..sizes.len()).rev().find(|&k| need(k).0 <= avail) {
+        Some(k) => Ok(build(Decision::Stream, k)),
+        None => {
+            let plan = build(Decision::Stream, min_k.unwrap_or(0));
+            Err(ResidencyError::DoesNotFit { plan: Box::new(plan), min_gpu_mem: min_stream })
+        }
+    }
+}
+
+impl ResidencyPlan {
+    /// This plan when every weight is resident; the plan in an error otherwise (the runtime
+    /// runs only that way today).
+    pub fn require_all_resident(self) -> Result<ResidencyPlan, ResidencyError> {
+        match self.decision {
+            Decision::AllResident | Decision::BudgetUnknown => Ok(self),
+            Decision::Stream => Err(ResidencyError::StreamingNotBuilt { plan: Box::new(self) }),
+        }
+    }
+
+    /// `plan: all resident, 6.16 GiB of 76.3 GiB free (weights 5.73 GiB, KV 288.0 MiB at ctx 4096, ...)`.
+    pub fn one_line(&self) -> String {
+        let what = match self.decision {
+            Decision::AllResident => "all resident".to_string(),
+            Decision::BudgetUnknown => "all resident (budget unknown)".to_string(),
+            Decision::Stream => format!(
+                "{} of {} layers resident, {} streamed through {} × {} ({} a token, at most {:.1} tok/s at {:.0} GB/s{})",
+                self.resident_layers.len(),
+                self.layer_bytes.len(),
+                self.streamed_layers.len(),
+                self.ring_slots,
+                show(self.ring_slot_bytes),
+                show(self.streamed_bytes_per_token),
+                self.bound_tok_s.unwrap_or(0.0),
+                self.link.gb_s,
+                if self.link.measured { "" } else { " assumed" }
+            ),
+        };
+        let of = self.budget.bytes().map_or_else(String::new, |b| format!(" of {}", show(b)));
+        format!(
+            "plan: {what}; {}{of} on the device (weights {}, KV {} at ctx {}, activations {}, workspace+graph {})",
+            show(self.device_bytes),
+            show(self.weight_bytes),
+            show(self.kv_bytes),
+            self.ctx,
+            show(self.activation_bytes),
+            show(self.cublas_workspace_bytes + self.module_and_graph_bytes)
+        )
+    }
+
+    /// The readable table of `thin plan`.
+    pub fn table(&self) -> String {
+        use std::fmt::Write;
+        let mut s = String::new();
+        let row = |s: &mut String, what: &str, bytes: u64, note: &str| {
+            let _ = writeln!(s, "  {what:<28} {:>12}  {note}", show(bytes));
+        };
+        let _ = writeln!(s, "weights by role");
+        for (role, b) in &self.role_bytes {
+            row(&mut s, role, *b, "");
+        }
+        let _ = writeln!(s, "weights by layer (matrices; norms stay resident)");
+        let mut i = 0;
+        while i < self.layer_bytes.len() {
+            let placed = |j: usize| self.resident_layers.len() > j;
+            let mut j = i;
+            while j + 1 < self.layer_bytes.len() && self.layer_bytes[j + 1] == self.layer_bytes[i] && placed(j + 1) == placed(i) {
+                j += 1;
+            }
+            let name = if i == j { format!("layer {i}") } else { format!("layers {i}-{j} ({} each)", show(self.layer_bytes[i])) };
+            let where_ = if placed(i) { "resident" } else { "streamed" };
+            row(&mut s, &name, self.layer_bytes[i] * (j - i + 1) as u64, where_);
+            i = j + 1;
+        }
+        let _ = writeln!(s, "device memory");
+        row(&mut s, "weights, always resident", self.always_resident_bytes, "embedding, LM head, norms");
+        let layers_resident: u64 = self.layer_bytes[..self.resident_layers.len().min(self.layer_bytes.len())].iter().sum();
+        row(&mut s, &format!("layers resident ({})", self.resident_layers.len()), layers_resident, "");
+        if self.ring_slots > 0 {
+            row(&mut s, &format!("streaming ring ({} × {})", self.ring_slots, show(self.ring_slot_bytes)), self.ring_slots as u64 * self.ring_slot_bytes, "");
+        }
+        row(&mut s, &format!("KV cache (ctx {})", self.ctx), self.kv_bytes, "bf16");
+        row(&mut s, "activations", self.activation_bytes, "decode, prefill rows, RoPE tables");
+        row(&mut s, "cuBLAS workspace", self.cublas_workspace_bytes, "cuBLAS's default on Hopper");
+        row(&mut s, "module + graph", self.module_and_graph_bytes, "allowance, calibrated on H100/H200");
+        row(&mut s, "total", self.device_bytes, "");
+        let _ = writeln!(s, "budget: {}", self.budget.describe());
+        let decision = match self.decision {
+            Decision::AllResident => "all resident".to_string(),
+            Decision::BudgetUnknown => "all resident shown; whether it fits is unknown".to_string(),
+            Decision::Stream => format!(
+                "stream {} of {} layers (pages of layers {}) through a ring of {}",
+                self.streamed_layers.len(),
+                self.layer_bytes.len(),
+                ranges(&self.streamed_layers),
+                self.ring_slots
+            ),
+        };
+        let _ = writeln!(s, "decision: {decision}");
+        if let Some(b) = self.bound_tok_s {
+            let _ = writeln!(
+                s,
+                "streamed per token: {}; bound {:.1} tok/s at {:.1} GB/s host link{}",
+                show(self.streamed_bytes_per_token),
+                b,
+                self.link.gb_s,
+                if self.link.measured { " (measured)" } else { " (assumed: PCIe Gen5 x16)" }
+            );
+        }
+        let _ = writeln!(s, "smallest --gpu-mem, all resident: {}", show_gpu_mem(self.all_resident_bytes));
+        let _ = writeln!(s, "smallest --gpu-mem that runs at all (streaming): {}", show_gpu_mem(self.min_stream_bytes));
+        if self.decision == Decision::Stream {
+            let _ = writeln!(s, "note: this runtime runs every weight resident only; weight streaming (issue 28) is not built yet");
+        }
+        s
+    }
+}
+
+/// `3-5, 9` from sorted layer indices.
+fn ranges(ids: &[u32]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < ids.len() {
+        let mut j = i;
+        while j + 1 < ids.len() && ids[j + 1] == ids[j] + 1 {
+            j += 1;
+        }
+        out.push(if i == j { ids[i].to_string() } else { format!("{}-{}", ids[i], ids[j]) });
+        i = j + 1;
+    }
+    out.join(", ")
+}
+
+/// Bytes for people: `6.16 GiB`, `149.0 MiB`, `72.0 KiB`, `200 B`.
+pub fn show(bytes: u64) -> String {
+    let b = bytes as f64;
+    if bytes >= 1 << 30 {
+        format!("{:.2} GiB", b / (1u64 << 30) as f64)
+    } else if bytes >= 1 << 20 {
+        format!("{:.1} MiB", b / (1u64 << 20) as f64)
+    } else if bytes >= 1 << 10 {
+        format!("{:.1} KiB", b / 1024.0)
+    } else {
+        format!("{bytes} B")
+    }
+}
+
+/// A `--gpu-mem` value that covers `bytes`: whole MiB, rounded up (`1247MiB`).
+pub fn show_gpu_mem(bytes: u64) -> String {
+    format!("{}MiB", bytes.div_ceil(1 << 20))
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SizeError {
+    #[error("{input:?} is not a size: give a number and a unit, e.g. 2GiB, 4G, 512MiB, 1.5GiB")]
+    Malformed { input: String },
+    #[error("{input:?}: unknown unit {unit:?} (B, K/KiB, M/MiB, G/GiB, T/TiB are binary; KB, MB, GB, TB decimal)")]
+    Unit { input: String, unit: String },
+    #[error("{input:?} is more bytes than this machine can count")]
+    Overflow { input: String },
+    #[error("{input:?} is zero bytes")]
+    Zero { input: String },
+}
+
+/// A size like `2GiB`, `4G`, `512MiB`, `1.5GiB`, `8GB` or `1048576`: a decimal number and an
+/// optional unit, case-insensitive. `K`/`M`/`G`/`T` and `KiB`..`TiB` are powers of 1024 (as
+/// Docker's and the JVM's `4g`); `KB`..`TB` are powers of 1000. A fraction of a byte rounds down.
+pub fn parse_size(input: &str) -> Result<u64, SizeError> {
+    let s = input.trim();
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (num, unit) = (&s[..split], s[split..].trim());
+    let malformed = || SizeError::Malformed { input: input.to_string() };
+    let (int, frac) = num.split_once('.').unwrap_or((num, ""));
+    if int.is_empty() && frac.is_empty() || frac.contains('.') || !int.bytes().chain(frac.bytes()).all(|b| b.is_ascii_digit()) {
+        return Err(malformed());
+    }
+    let scale: u128 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "t" | "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        _ => return Err(SizeError::Unit { input: input.to_string(), unit: unit.to_string() }),
+    };
+    let overflow = || SizeError::Overflow { input: input.to_string() };
+    // Whole part and fraction in integers: 1.5GiB is exactly 1610612736.
+    let int_v: u128 = if int.is_empty() { 0 } else { int.parse().map_err(|_| overflow())? };
+    let frac = &frac[..frac.len().min(18)];
+    let frac_v: u128 = if frac.is_empty() { 0 } else { frac.parse().map_err(|_| overflow())? };
+    let denom = 10u128.pow(frac.len() as u32);
+    let bytes = int_v.checked_mul(scale).and_then(|b| b.checked_add(frac_v.checked_mul(scale)? / denom)).ok_or_else(overflow)?;
+    let bytes = u64::try_from(bytes).map_err(|_| overflow())?;
+    if bytes == 0 {
+        return Err(SizeError::Zero { input: input.to_string() });
+    }
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The weights of a SmolLM3-3B-shaped bf16 archive (tied embeddings, no LM head tensor),
+    /// built from its dims (archs/smollm3-3b.toml), each on pages of 64 MiB numbered in order.
+    fn smollm3_3b(ctx: usize) -> Demand {
+        let (vocab, hidden, layers, q, kv, ffn) = (128256u64, 2048u64, 36u32, 16 * 128u64, 4 * 128u64, 11008u64);
+        let mut weights = Vec::new();
+        let mut page = 0u32;
+        let mut add = |role, layer, bytes: u64| {
+            let pages = bytes.div_ceil(64 << 20) as u32;
+            weights.push(WeightSpan { role, layer, bytes, first_page: page, page_count: pages });
+            page += pages;
+        };
+        add(Role::TokenEmbd, None, vocab * hidden * 2);
+        for l in 0..layers {
+            add(Role::AttnNorm, Some(l), hidden * 4);
+            add(Role::AttnQ, Some(l), q * hidden * 2);
+            add(Role::AttnK, Some(l), kv * hidden * 2);
+            add(Role::AttnV, Some(l), kv * hidden * 2);
+            add(Role::AttnO, Some(l), hidden * q * 2);
+            add(Role::FfnNorm, Some(l), hidden * 4);
+            add(Role::FfnGate, Some(l), ffn * hidden * 2);
+            add(Role::FfnUp, Some(l), ffn * hidden * 2);
+            add(Role::FfnDown, Some(l), hidden * ffn * 2);
+        }
+        add(Role::OutputNorm, None, hidden * 4);
+        Demand {
+            ctx,
+            weights,
+            // bf16 K and V of 4 heads × 128 for each of 36 layers.
+            kv_bytes: 36 * 2 * ctx as u64 * kv * 2,
+            // The arena the H100 reported at ctx 4096 less its KV cache (run29's `load`:
+            // arena_bytes 384749056, kv_bytes 301989888).
+            activation_bytes: 384_749_056 - 301_989_888,
+            cublas_workspace_bytes: CUBLAS_WORKSPACE_BYTES,
+            module_and_graph_bytes: MODULE_AND_GRAPH_BYTES,
+        }
+    }
+
+    const GIB: u64 = 1 << 30;
+
+    // By hand, SmolLM3-3B bf16 at ctx 4096:
+    //   a layer's matrices: q, o 2048·2048·2 = 8388608 each; k, v 512·2048·2 = 2097152 each;
+    //   gate, up, down 11008·2048·2 = 45088768 each: 156237824 bytes (149.0 MiB).
+    //   always resident: embedding 128256·2048·2 = 525336576, norms 73·2048·4 = 598016.
+    //   KV 36·2·4096·512·2 = 301989888; activations 82759168; workspace 32 MiB, module+graph 48 MiB.
+    //   fixed = 525934592 + 301989888 + 82759168 + 83886080 = 994569728.
+    //   all resident: 994569728 + 36·156237824 = 6619131392 (6.16 GiB; the H100 measured a peak of
+    //   6.156 GiB = 6610223104, 8.5 MiB under it).
+    //   smallest streaming: fixed + ring 2·156237824 = 1307045376, i.e. --gpu-mem 1247MiB.
+    //   2 GiB: (2147483648 - 1307045376) / 156237824 = 5.38: 5 resident, 31 streamed,
+    //          31·156237824 = 4843372544 bytes a token, 50e9 / that = 10.32 tok/s.
+    //   4 GiB: (4294967296 - 1307045376) / 156237824 = 19.12: 19 resident, 17 streamed,
+    //          17·156237824 = 2656043008 bytes a token, 18.82 tok/s.
+    const LAYER: u64 = 156_237_824;
+
+    #[test]
+    fn smollm3_3b_streams_at_2_and_4_gib() {
+        let d = smollm3_3b(4096);
+        for (gib, resident, per_token, tok_s) in [(2, 5usize, 4_843_372_544u64, 10.3234), (4, 19, 2_656_043_008, 18.8250)] {
+            let p = plan(&d, Budget { gpu_mem: Some(gib * GIB), free: Some(80 * GIB) }, Link::default()).unwrap();
+            assert_eq!(p.decision, Decision::Stream, "{gib} GiB");
+            assert_eq!(p.resident_layers, (0..resident as u32).collect::<Vec<_>>());
+            assert_eq!(p.streamed_layers, (resident as u32..36).collect::<Vec<_>>());
+            assert_eq!((p.ring_slots, p.ring_slot_bytes), (2, LAYER));
+            assert_eq!(p.streamed_bytes_per_token, per_token);
+            assert!((p.bound_tok_s.unwrap() - tok_s).abs() < 1e-3, "{:?}", p.bound_tok_s);
+            assert_eq!(p.device_bytes, 994_569_728 + (resident as u64 + 2) * LAYER);
+            assert!(p.device_bytes <= gib * GIB && p.device_bytes + LAYER > gib * GIB, "one more layer would not fit");
+            assert_eq!((p.all_resident_bytes, p.min_stream_bytes), (6_619_131_392, 1_307_045_376));
+            // Per tensor: a streamed layer's matrices stream with their pages, its norms stay.
+            let of = |role, l| p.tensors.iter().find(|t| t.weight.role == role && t.weight.layer == Some(l)).unwrap();
+            assert_eq!(of(Role::FfnDown, 35).placement, Placement::Streamed);
+            assert_eq!(of(Role::FfnDown, 35).weight.page_count, 1);
+            assert_eq!(of(Role::AttnNorm, 35).placement, Placement::Resident);
+            assert_eq!(of(Role::AttnQ, 0).placement, Placement::Resident);
+            let streamed: u64 = p.tensors.iter().filter(|t| t.placement == Placement::Streamed).map(|t| t.weight.bytes).sum();
+            assert_eq!(streamed, per_token);
+        }
+        assert_eq!(show_gpu_mem(1_307_045_376), "1247MiB");
+    }
+
+    #[test]
+    fn smollm3_3b_all_resident_and_budget_unknown() {
+        let d = smollm3_3b(4096);
+        let p = plan(&d, Budget { gpu_mem: None, free: Some(6_619_131_392) }, Link::default()).unwrap();
+        assert_eq!((p.decision, p.streamed_layers.len(), p.ring_slots, p.bound_tok_s), (Decision::AllResident, 0, 0, None));
+        assert_eq!(p.weight_bytes, 6_150_496_256, "the weight_bytes the H100 run reported for SmolLM3-3B bf16");
+        assert_eq!(p.device_bytes, 6_619_131_392);
+        // One byte less: streaming, 33 layers resident and a ring of two (994569728 + 35·156237824
+        // = 6462893568 fits; 36 layers' worth does not).
+        let p = plan(&d, Budget { gpu_mem: None, free: Some(6_619_131_391) }, Link::default()).unwrap();
+        assert_eq!((p.decision, p.resident_layers.len()), (Decision::Stream, 33));
+        let e = p.require_all_resident().unwrap_err();
+        assert!(matches!(&e, ResidencyError::StreamingNotBuilt { plan } if plan.streamed_layers.len() == 3), "{e}");
+        let msg = e.to_string();
+        assert!(msg.contains("not built yet") && msg.contains("--gpu-mem 6313MiB"), "{msg}");
+        let p = plan(&d, Budget::default(), Link::default()).unwrap();
+        assert_eq!((p.decision, p.device_bytes, p.min_stream_bytes), (Decision::BudgetUnknown, 6_619_131_392, 1_307_045_376));
+        assert!(p.table().contains("budget is unknown") && p.table().contains("1247MiB"), "{}", p.table());
+    }
+
+    #[test]
+    fn below_the_smallest_streaming_plan_is_refused_with_it() {
+        let d = smollm3_3b(4096);
+        let e = plan(&d, Budget { gpu_mem: Some(1_307_045_375), free: None }, Link::default()).unwrap_err();
+        let ResidencyError::DoesNotFit { plan: p, min_gpu_mem } = &e else { panic!("{e}") };
+        assert_eq!(*min_gpu_mem, 1_307_045_376);
+        assert_eq!((p.resident_layers.len(), p.streamed_layers.len(), p.device_bytes), (0, 36, 1_307_045_376));
+        assert!(e.to_string().contains("--gpu-mem 1247MiB"), "{e}");
+        // Exactly enough: every layer streamed.
+        let p = plan(&d, Budget { gpu_mem: Some(1_307_045_376), free: None }, Link::default()).unwrap();
+        assert_eq!((p.resident_layers.len(), p.streamed_bytes_per_token), (0, 36 * LAYER));
+        // A longer context takes KV from the layers: ctx 65536 adds 15·301989888 = 4529848320.
+        let p = plan(&smollm3_3b(65536), Budget { gpu_mem: Some(4 * GIB), free: None }, Link::default());
+        assert!(matches!(p, Err(ResidencyError::DoesNotFit { min_gpu_mem: 5_836_893_696, .. })), "{p:?}");
+    }
+
+    #[test]
+    fn a_measured_link_sets_the_bound() {
+        let p = plan(&smollm3_3b(4096), Budget { gpu_mem: Some(4 * GIB), free: None }, Link { gb_s: 25.0, measured: true }).unwrap();
+        assert!((p.bound_tok_s.unwrap() - 25e9 / 2_656_043_008.0).abs() < 1e-9);
+        assert!(p.one_line().contains("19 of 36 layers resident, 17 streamed"), "{}", p.one_line());
+        assert!(!p.one_line().contains("assumed"));
+    }
+
+    #[test]
+    fn unequal_layers_ring_sized_by_the_largest_streamed() {
+        // Layer 2 is twice the others: with 2 resident the ring holds two of it.
+        let w = |l, bytes| WeightSpan { role: Role::FfnDown, layer: Some(l), bytes, first_page: l, page_count: 1 };
+        let d = Demand { ctx: 1, weights: vec![w(0, 100), w(1, 100), w(2, 200), w(3, 100)], kv_bytes: 0, activation_bytes: 0, cublas_workspace_bytes: 0, module_and_graph_bytes: 0 };
+        // need(k): k=0: 400, 1: 100+400=500, 2: 200+400=600, 3: 400+200=600, 4: 500.
+        let p = plan(&d, Budget { gpu_mem: Some(450), free: None }, Link::default()).unwrap();
+        assert_eq!((p.resident_layers.len(), p.ring_slot_bytes, p.device_bytes), (0, 200, 400));
+        assert_eq!(plan(&d, Budget { gpu_mem: Some(500), free: None }, Link::default()).unwrap().decision, Decision::AllResident);
+        assert!(matches!(plan(&d, Budget { gpu_mem: Some(399), free: None }, Link::default()), Err(ResidencyError::DoesNotFit { min_gpu_mem: 400, .. })));
+    }
+
+    #[test]
+    fn budget_is_the_smaller_of_limit_and_free() {
+        assert_eq!(Budget { gpu_mem: Some(5), free: Some(3) }.bytes(), Some(3));
+        assert_eq!(Budget { gpu_mem: Some(2), free: Some(3) }.bytes(), Some(2));
+        assert_eq!(Budget { gpu_mem: None, free: Some(3) }.bytes(), Some(3));
+        assert_eq!(Budget::default().bytes(), None);
+    }
+
+    #[test]
+    fn sizes_parse_with_binary_and_decimal_units() {
+        for (s, v) in [
+            ("2GiB", 2 << 30),
+            ("4G", 4 << 30),
+            ("4g", 4 << 30),
+            ("512MiB", 512 << 20),
+            ("1.5GiB", 1_610_612_736),
+            ("8GB", 8_000_000_000),
+            ("1048576", 1 << 20),
+            (" 1247MiB ", 1247 << 20),
+            ("1.5 K", 1536),
+            (".5k", 512),
+            ("1T", 1 << 40),
+            ("0.001KiB", 1),
+        ] {
+            assert_eq!(parse_size(s), Ok(v), "{s}");
+        }
+        for s in ["", " ", "GiB", "-1G", "-0", "1.2.3G", ".", "NaN", "inf", "+4G", "4 G B"] {
+            assert!(parse_size(s).is_err(), "{s}");
+        }
+        assert!(matches!(parse_size("4Q"), Err(SizeError::Unit { unit, .. }) if unit == "Q"));
+        assert!(matches!(parse_size("1e9"), Err(SizeError::Unit { .. })));
+        assert!(matches!(parse_size("17179869184G"), Err(SizeError::Overflow { .. })), "2^64 bytes");
+        assert!(matches!(parse_size("99999999999999999999999999999999999999999"), Err(SizeError::Overflow { .. })));
+        assert!(matches!(parse_size("18446744073709551616"), Err(SizeError::Overflow { .. })));
+        assert_eq!(parse_size("18446744073709551615"), Ok(u64::MAX));
+        assert!(matches!(parse_size("0GiB"), Err(SizeError::Zero { .. })));
+        assert!(matches!(parse_size("0.1B"), Err(SizeError::Zero { .. })), "rounds down to nothing");
+    }
+
+    #[test]
+    fn layer_ranges_read_compactly() {
+        assert_eq!(ranges(&[3, 4, 5, 9, 11, 12]), "3-5, 9, 11-12");
+        assert_eq!(ranges(&[]), "");
+    }
+}
