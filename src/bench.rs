@@ -32,6 +32,8 @@ pub struct BenchOptions {
     pub timeline: bool,
     /// `--no-verify`: skip the page check at load (said once on stderr).
     pub no_verify: bool,
+    /// `--gpu-mem`: the most device memory the engine may take.
+    pub gpu_mem: Option<u64>,
 }
 
 /// Prompt ids for a pp run: deterministic, spread over the vocabulary, no special meaning.
@@ -47,7 +49,7 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     } else {
         thin::Integrity::Verify
     };
-    let mut session = thin::open_with(file, &thin::Options { backend: opts.backend, ctx: Some(opts.ctx), progress: !opts.json, timeline: opts.timeline }, integrity)
+    let mut session = thin::open_with(file, &thin::Options { backend: opts.backend, ctx: Some(opts.ctx), progress: !opts.json, timeline: opts.timeline, gpu_mem: opts.gpu_mem }, integrity)
         .with_context(|| format!("opening {}", file.display()))?;
     let m = session.archive().manifest();
     let vocab = m.arch.dims.vocab_size as usize;
@@ -58,6 +60,14 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     // The CPU engine's thread count (`--threads`); the GPU's host side runs on one.
     let threads = (backend == "cpu").then(thin_core::cpu::threads);
     let hello = session.prompt("Hello", false).context("encoding the prompt")?;
+    // The residency plan the CUDA engine opened with, without its per-tensor list.
+    let plan = session.residency().map(|p| {
+        let mut v = serde_json::to_value(p).unwrap_or_default();
+        if let Some(o) = v.as_object_mut() {
+            o.remove("tensors");
+        }
+        v
+    });
     let e = session.engine();
     // Cold start to first token: open + compile/cache + upload + capture + the first prefill.
     let mut next = argmax(e.prefill(&hello)?);
@@ -137,6 +147,7 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
         "cold_start_to_first_token_s": first_token_s,
         "pages_verified": !opts.no_verify,
         "load": e.load_stats(),
+        "plan": plan,
         "kernels": kernels,
         "timeline": timeline,
     });

@@ -769,7 +769,7 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
         return Err(EvalError::CtxTooSmall { ctx }.into());
     }
 
-    let opts = |backend| thin::Options { backend, ctx: Some(ctx), progress: false, timeline: false };
+    let opts = |backend| thin::Options { backend, ctx: Some(ctx), ..Default::default() };
     let mut model = thin::open(&a.model, &opts(a.backend)).with_context(|| format!("opening {model_path}"))?;
     // thin::open refused a --ctx above the model's maximum.
     let m = model.archive().manifest();

@@ -25,6 +25,7 @@ use thin_core::tokenizer::{ChatMessage, TextTokenizer, TokenizerError};
 
 pub use thin_core::cuda::CudaOptions;
 pub use thin_core::format::PagesChecked;
+pub use thin_core::residency::{Budget, Link, LinkSource, ResidencyError, ResidencyPlan};
 
 /// What a token callback may fail with (its own I/O, a closed connection).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -53,6 +54,8 @@ pub enum Error {
     NoCudaBuild,
     #[error("the CUDA backend: {0}")]
     Cuda(String),
+    #[error(transparent)]
+    Residency(#[from] ResidencyError),
     #[error(transparent)]
     Engine(#[from] EngineError),
     #[error("the prompt has no tokens")]
@@ -119,12 +122,50 @@ pub struct Options {
     pub progress: bool,
     /// GPU kernels with in-step timestamps ([`LoadedEngine::timeline`]; benchmarks only).
     pub timeline: bool,
+    /// `--gpu-mem`: the most device memory the CUDA engine may take ([`Budget::gpu_mem`]);
+    /// `None`: the free memory.
+    pub gpu_mem: Option<u64>,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { backend: Backend::Auto, ctx: None, progress: false, timeline: false }
+        Options { backend: Backend::Auto, ctx: None, progress: false, timeline: false, gpu_mem: None }
     }
+}
+
+/// Where `archive`'s weights would live on the GPU at `ctx` positions within `budget` (host
+/// only: nothing is allocated, no GPU is needed): the CUDA buffer layout of the engine compiled
+/// in for its arch, the archive's tensor sizes and pages, [`thin_core::residency::plan`].
+pub fn residency_plan(archive: &Archive, ctx: usize, budget: Budget, link: Link) -> Result<ResidencyPlan, Error> {
+    let m = archive.manifest();
+    if ctx as u64 > m.arch.max_position_embeddings {
+        return Err(Error::CtxAboveModel { ctx, model_max: m.arch.max_position_embeddings });
+    }
+    let arch = cuda_arch(m)?;
+    // The multiprocessor count sizes grids only, never a buffer: 1 stands for any device.
+    let layout = thin_core::cuda::plan::Layout::new(&arch, ctx, thin_core::cuda::PREFILL_ROWS.min(ctx), &|(r, l)| m.tensor(r, l).map(|t| t.dtype), 1)
+        .map_err(|e| Error::Cuda(e.to_string()))?;
+    let demand = thin_core::residency::Demand::of(m, &layout)?;
+    Ok(thin_core::residency::plan(&demand, budget, link)?)
+}
+
+/// The CUDA schedule compiled into this binary for the archive's shapes and math.
+fn cuda_arch(m: &thin_core::manifest::Manifest) -> Result<thin_core::cuda::plan::CudaArch, Error> {
+    // cuda_arch picks by shape alone; the engine's baked-in constants must be the archive's too.
+    thin_core::engine::check_known_math(m, thin_generated::KNOWN_ARCHS)?;
+    let arch = thin_generated::cuda_arch(&m.shape_fingerprint).ok_or_else(|| Error::NoCudaEngine {
+        archive: format!("{:?}, {} layers, hidden {}, shape fingerprint {}", m.arch.dims.family, m.arch.dims.num_layers, m.arch.dims.hidden_size, m.shape_fingerprint),
+        features: thin_generated::AVAILABLE_FEATURES.join(", "),
+    })?;
+    arch.map_err(|e| Error::Cuda(e.to_string()))
+}
+
+/// Free memory on the GPU, if this build has CUDA and a device answers.
+pub fn free_device_bytes() -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    return thin_core::cuda::free_device_bytes().ok().map(|(free, _ctx)| free);
+    #[cfg(not(feature = "cuda"))]
+    None
 }
 
 /// An engine as a session holds it: the decode loop, plus what benchmarks ask of a backend.
@@ -221,23 +262,25 @@ impl LoadedEngine for thin_core::cuda::runtime::CudaEngine {
     }
 }
 
-/// The CUDA engine compiled into this binary for the archive's arch.
+/// The CUDA engine compiled into this binary for the archive's arch, after its residency plan
+/// (within `gpu_mem` and the free memory) says every weight fits: the runtime runs only that way,
+/// so a plan that would stream is refused with the plan. The plan's line goes to stderr with
+/// progress on.
 #[cfg(feature = "cuda")]
-fn open_cuda(archive: &Archive, opts: &CudaOptions) -> Result<Box<dyn LoadedEngine>, Error> {
-    let m = archive.manifest();
-    // cuda_arch picks by shape alone; the engine's baked-in constants must be the archive's too.
-    thin_core::engine::check_known_math(m, thin_generated::KNOWN_ARCHS)?;
-    let arch = thin_generated::cuda_arch(&m.shape_fingerprint).ok_or_else(|| Error::NoCudaEngine {
-        archive: format!("{:?}, {} layers, hidden {}, shape fingerprint {}", m.arch.dims.family, m.arch.dims.num_layers, m.arch.dims.hidden_size, m.shape_fingerprint),
-        features: thin_generated::AVAILABLE_FEATURES.join(", "),
-    })?;
-    let arch = arch.map_err(|e| Error::Cuda(e.to_string()))?;
+fn open_cuda(archive: &Archive, opts: &CudaOptions, gpu_mem: Option<u64>) -> Result<(Box<dyn LoadedEngine>, ResidencyPlan), Error> {
+    let arch = cuda_arch(archive.manifest())?;
+    // Held until the engine has its buffers: the engine opens the same primary context.
+    let (free, _ctx) = thin_core::cuda::free_device_bytes().map_err(Error::Cuda)?;
+    let plan = residency_plan(archive, opts.ctx, Budget { gpu_mem, free: Some(free) }, Link::default())?.require_all_resident()?;
+    if opts.progress {
+        eprintln!("{}", plan.one_line());
+    }
     let e = thin_core::cuda::runtime::CudaEngine::new(archive, &arch, opts).map_err(|e| Error::Cuda(e.to_string()))?;
-    Ok(Box::new(e))
+    Ok((Box::new(e), plan))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn open_cuda(_archive: &Archive, _opts: &CudaOptions) -> Result<Box<dyn LoadedEngine>, Error> {
+fn open_cuda(_archive: &Archive, _opts: &CudaOptions, _gpu_mem: Option<u64>) -> Result<(Box<dyn LoadedEngine>, ResidencyPlan), Error> {
     Err(Error::NoCudaBuild)
 }
 
@@ -251,6 +294,8 @@ pub struct Session {
     arch: &'static str,
     ctx: usize,
     pages_checked: Option<PagesChecked>,
+    /// The residency plan the CUDA engine was opened with; `None` on the CPU.
+    residency: Option<ResidencyPlan>,
 }
 
 /// Open `path` with the engine compiled in for its architecture, on `opts.backend`, every data
@@ -304,22 +349,23 @@ pub fn open_with(path: &Path, opts: &Options, integrity: Integrity) -> Result<Se
         }
         Ok(if ctx < max_seq { Box::new(CtxLimit { inner: engine, pos: 0, ctx }) } else { Box::new(engine) })
     };
+    let on_cpu = |a: Arc<Archive>| cpu(a).map(|e| (e, "cpu", None));
     let loaded = match opts.backend {
-        Backend::Cpu => cpu(archive.clone()).map(|e| (e, "cpu")),
-        Backend::Cuda => open_cuda(&archive, &cuda).map(|e| (e, "cuda")),
-        Backend::Auto if cfg!(feature = "cuda") => match open_cuda(&archive, &cuda) {
-            Ok(e) => Ok((e, "cuda")),
+        Backend::Cpu => on_cpu(archive.clone()),
+        Backend::Cuda => open_cuda(&archive, &cuda, opts.gpu_mem).map(|(e, p)| (e, "cuda", Some(p))),
+        Backend::Auto if cfg!(feature = "cuda") => match open_cuda(&archive, &cuda, opts.gpu_mem) {
+            Ok((e, p)) => Ok((e, "cuda", Some(p))),
             Err(e) => {
                 eprintln!("CUDA backend unavailable ({e}); using the CPU backend");
-                cpu(archive.clone()).map(|e| (e, "cpu"))
+                on_cpu(archive.clone())
             }
         },
-        Backend::Auto => cpu(archive.clone()).map(|e| (e, "cpu")),
+        Backend::Auto => on_cpu(archive.clone()),
     };
     // Damaged pages explain any load error too, so they are reported first.
     let pages_checked = check.map(|c| c.wait()).transpose().map_err(|damage| Error::Damaged { path: shown(), damage })?;
-    let (engine, backend) = loaded?;
-    Ok(Session { archive, tokenizer, engine, backend, arch, ctx, pages_checked })
+    let (engine, backend, residency) = loaded?;
+    Ok(Session { archive, tokenizer, engine, backend, arch, ctx, pages_checked, residency })
 }
 
 /// Whether generation goes on after a token.
@@ -527,6 +573,11 @@ impl Session {
     /// What the page check at open covered (`None`: opened with [`Integrity::Trust`]).
     pub fn pages_checked(&self) -> Option<PagesChecked> {
         self.pages_checked
+    }
+
+    /// The residency plan the CUDA engine was opened with (`None` on the CPU).
+    pub fn residency(&self) -> Option<&ResidencyPlan> {
+        self.residency.as_ref()
     }
 
     /// The engine itself (benchmarks, teacher-forced logits).

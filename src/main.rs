@@ -4,6 +4,7 @@ mod bench;
 mod chat;
 mod eval;
 mod inspect;
+mod plan;
 mod run;
 mod serve;
 
@@ -32,6 +33,11 @@ struct Cli {
 fn parse_threads(s: &str) -> Result<usize, String> {
     let n = s.parse::<usize>().map_err(|_| format!("{s:?} is not a whole number"))?;
     thin_core::cpu::check_threads(n).map_err(|e| e.to_string())
+}
+
+/// `--gpu-mem SIZE`, checked as clap parses it.
+pub(crate) fn parse_gpu_mem(s: &str) -> Result<u64, String> {
+    thin_core::residency::parse_size(s).map_err(|e| e.to_string())
 }
 
 /// `--profile NAME|PATH`: a shipped profile or a user's TOML file, checked as clap parses it.
@@ -69,6 +75,25 @@ enum Command {
     },
     /// Check every page checksum of an archive.
     Verify { file: PathBuf },
+    /// Where the weights would live on the GPU: weight bytes by role and layer, KV cache,
+    /// workspace, the device budget, and the decision (all resident, or which layers stream with
+    /// the bytes a token and the tok/s bound). Allocates nothing; needs no GPU.
+    Plan {
+        file: PathBuf,
+        /// The most device memory the engine may take, e.g. 2GiB, 4G, 512MiB, 1.5GiB [default:
+        /// the free memory of GPU 0, or unknown without one].
+        #[arg(long, value_name = "SIZE", value_parser = parse_gpu_mem)]
+        gpu_mem: Option<u64>,
+        /// KV-cache positions [default: 4096, or the model's maximum if smaller].
+        #[arg(long)]
+        ctx: Option<usize>,
+        /// Host-to-device bandwidth for the tok/s bound [default: 50, assumed for PCIe Gen5 x16].
+        #[arg(long, value_name = "GB/S", value_parser = plan::parse_link_gb_s)]
+        link_gb_s: Option<f64>,
+        /// One JSON object instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Decode speed: the reference method (prefill "Hello", warm-up, timed greedy steps) and a
     /// llama-bench style pp/tg table, mean ± sd over repetitions.
     Bench {
@@ -103,6 +128,10 @@ enum Command {
         /// cold start figure).
         #[arg(long)]
         no_verify: bool,
+        /// The most device memory the engine may take (e.g. 4GiB); above what every weight
+        /// resident needs, the load is refused with the plan.
+        #[arg(long, value_name = "SIZE", value_parser = parse_gpu_mem)]
+        gpu_mem: Option<u64>,
     },
     /// Teacher-forced logits of the GPU engine over given ids, as raw f32 rows (for fidelity checks).
     Logits {
@@ -233,9 +262,10 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Bench { file, backend, ctx, warmup, steps, pp, tg, reps, json, profile, timeline, no_verify } => {
-            bench::bench(&file, &bench::BenchOptions { backend, ctx, warmup, steps, pp, tg, reps, json, profile, timeline, no_verify })
+        Command::Bench { file, backend, ctx, warmup, steps, pp, tg, reps, json, profile, timeline, no_verify, gpu_mem } => {
+            bench::bench(&file, &bench::BenchOptions { backend, ctx, warmup, steps, pp, tg, reps, json, profile, timeline, no_verify, gpu_mem })
         }
+        Command::Plan { file, gpu_mem, ctx, link_gb_s, json } => plan::plan(&file, &plan::PlanOptions { gpu_mem, ctx, link_gb_s, json }),
         Command::Logits { file, ids, prompt_len, out, ctx, cpu } => bench::logits(&file, &ids, prompt_len, &out, ctx, cpu),
         Command::Verify { file } => {
             let start = Instant::now();

@@ -67,6 +67,10 @@ pub struct RunControl {
     /// unnoticed).
     #[arg(long)]
     pub no_verify: bool,
+    /// The most device memory the CUDA engine may take, e.g. 4GiB, 512MiB [default: the free
+    /// memory]; above what every weight resident needs, the load is refused with the plan.
+    #[arg(long, value_name = "SIZE", value_parser = crate::parse_gpu_mem)]
+    pub gpu_mem: Option<u64>,
 }
 
 // Flags are checked as clap parses them (negative numbers reach these parsers instead of clap's
@@ -137,7 +141,7 @@ impl RunControl {
         } else {
             thin::Integrity::Verify
         };
-        let opts = thin::Options { backend: self.backend, ctx: self.ctx, progress: true, ..Default::default() };
+        let opts = thin::Options { backend: self.backend, ctx: self.ctx, progress: true, gpu_mem: self.gpu_mem, ..Default::default() };
         thin::open_with(model, &opts, integrity).with_context(|| format!("loading {}", model.display()))
     }
 

@@ -53,13 +53,15 @@ pub enum ResidencyError {
 
 fn does_not_fit(plan: &ResidencyPlan, min_gpu_mem: u64) -> String {
     format!(
-        "the model cannot run on this GPU even streaming: it needs {} on the device with {} of {} layers streamed ({} always resident, a ring of {} × {}, KV cache {} at ctx {}, activations {}, cuBLAS workspace + module/graph {}); {}. The smallest that runs: --gpu-mem {} (or a smaller --ctx)",
+        "the model cannot run on this GPU even streaming: it needs at least {} on the device, {} ({} always resident, {}KV cache {} at ctx {}, activations {}, cuBLAS workspace + module/graph {}); {}. The smallest that runs: --gpu-mem {} (or a smaller --ctx)",
         show(plan.min_stream_bytes),
-        plan.streamed_layers.len(),
-        plan.layer_bytes.len(),
+        if plan.streamed_layers.is_empty() {
+            "every weight resident (streaming would take no less)".to_string()
+        } else {
+            format!("{} of {} layers streamed", plan.streamed_layers.len(), plan.layer_bytes.len())
+        },
         show(plan.always_resident_bytes),
-        plan.ring_slots,
-        show(plan.ring_slot_bytes),
+        if plan.ring_slots > 0 { format!("a ring of {} × {}, ", plan.ring_slots, show(plan.ring_slot_bytes)) } else { String::new() },
         show(plan.kv_bytes),
         plan.ctx,
         show(plan.activation_bytes),
@@ -71,7 +73,7 @@ fn does_not_fit(plan: &ResidencyPlan, min_gpu_mem: u64) -> String {
 
 fn streaming_not_built(plan: &ResidencyPlan) -> String {
     format!(
-        "the model does not fit this GPU with every weight resident: it needs {} at ctx {}; {}. The plan would keep {} of {} layers resident and stream {} ({} a token, at most {:.1} tok/s over a {:.0} GB/s host link{}), but this runtime only runs with every weight resident: weight streaming (issue 28) is not built yet. Give it --gpu-mem {} or more, a smaller --ctx, or use --backend cpu",
+        "the model does not fit this GPU with every weight resident: it needs {} at ctx {}; {}. The plan would keep {} of {} layers resident and stream {} ({} a token, at most {:.1} tok/s over a {:.0} GB/s host link, {}), but this runtime only runs with every weight resident: weight streaming (issue 28) is not built yet. Give it --gpu-mem {} or more, a smaller --ctx, or use --backend cpu",
         show(plan.all_resident_bytes),
         plan.ctx,
         plan.budget.describe(),
@@ -81,7 +83,7 @@ fn streaming_not_built(plan: &ResidencyPlan) -> String {
         show(plan.streamed_bytes_per_token),
         plan.bound_tok_s.unwrap_or(0.0),
         plan.link.gb_s,
-        if plan.link.measured { "" } else { ", assumed" },
+        plan.link.source.label(),
         show_gpu_mem(plan.all_resident_bytes)
     )
 }
@@ -207,13 +209,34 @@ impl Budget {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Link {
     pub gb_s: f64,
-    /// False: [`ASSUMED_LINK_GB_S`] or another figure not measured on this machine.
-    pub measured: bool,
+    pub source: LinkSource,
+}
+
+/// Where a [`Link`] figure came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LinkSource {
+    /// [`ASSUMED_LINK_GB_S`]: PCIe Gen5 x16, not measured.
+    Assumed,
+    /// Given by the user (`--link-gb-s`).
+    Given,
+    /// Measured on this machine.
+    Measured,
+}
+
+impl LinkSource {
+    fn label(self) -> &'static str {
+        match self {
+            LinkSource::Assumed => "assumed: PCIe Gen5 x16",
+            LinkSource::Given => "given",
+            LinkSource::Measured => "measured",
+        }
+    }
 }
 
 impl Default for Link {
     fn default() -> Self {
-        Link { gb_s: ASSUMED_LINK_GB_S, measured: false }
+        Link { gb_s: ASSUMED_LINK_GB_S, source: LinkSource::Assumed }
     }
 }
 
@@ -298,8 +321,10 @@ pub fn plan(d: &Demand, budget: Budget, link: Link) -> Result<ResidencyPlan, Res
         (fixed + sizes[..k].iter().sum::<u64>() + RING_SLOTS as u64 * slot, slot)
     };
     let all_resident = need(sizes.len()).0;
-    let min_k = (0..sizes.len()).min_by_key(|&k| need(k).0);
-    let min_stream = min_k.map_or(all_resident, |k| need(k).0.min(all_resident));
+    // The plan that needs least: the most resident layers among equals (with layers of one size
+    // and more than RING_SLOTS of them, every layer streamed; with fewer, all resident).
+    let min_k = (0..=sizes.len()).rev().min_by_key(|&k| need(k).0).unwrap_or(0);
+    let min_stream = need(min_k).0;
     let build = |decision, k: usize| {
         let (device, slot) = need(k);
         let streamed: Vec<u32> = ids[k..].to_vec();
@@ -352,7 +377,7 @@ pub fn plan(d: &Demand, budget: Budget, link: Link) -> Result<ResidencyPlan, Res
     match (0..sizes.len()).rev().find(|&k| need(k).0 <= avail) {
         Some(k) => Ok(build(Decision::Stream, k)),
         None => {
-            let plan = build(Decision::Stream, min_k.unwrap_or(0));
+            let plan = build(if min_k == sizes.len() { Decision::AllResident } else { Decision::Stream }, min_k);
             Err(ResidencyError::DoesNotFit { plan: Box::new(plan), min_gpu_mem: min_stream })
         }
     }
@@ -374,7 +399,7 @@ impl ResidencyPlan {
             Decision::AllResident => "all resident".to_string(),
             Decision::BudgetUnknown => "all resident (budget unknown)".to_string(),
             Decision::Stream => format!(
-                "{} of {} layers resident, {} streamed through {} × {} ({} a token, at most {:.1} tok/s at {:.0} GB/s{})",
+                "{} of {} layers resident, {} streamed through {} × {} ({} a token, at most {:.1} tok/s at {:.0} GB/s, {})",
                 self.resident_layers.len(),
                 self.layer_bytes.len(),
                 self.streamed_layers.len(),
@@ -383,7 +408,7 @@ impl ResidencyPlan {
                 show(self.streamed_bytes_per_token),
                 self.bound_tok_s.unwrap_or(0.0),
                 self.link.gb_s,
-                if self.link.measured { "" } else { " assumed" }
+                self.link.source.label()
             ),
         };
         let of = self.budget.bytes().map_or_else(String::new, |b| format!(" of {}", show(b)));
@@ -450,11 +475,11 @@ impl ResidencyPlan {
         if let Some(b) = self.bound_tok_s {
             let _ = writeln!(
                 s,
-                "streamed per token: {}; bound {:.1} tok/s at {:.1} GB/s host link{}",
+                "streamed per token: {}; bound {:.1} tok/s at {:.1} GB/s host link ({})",
                 show(self.streamed_bytes_per_token),
                 b,
                 self.link.gb_s,
-                if self.link.measured { " (measured)" } else { " (assumed: PCIe Gen5 x16)" }
+                self.link.source.label()
             );
         }
         let _ = writeln!(s, "smallest --gpu-mem, all resident: {}", show_gpu_mem(self.all_resident_bytes));
@@ -671,11 +696,11 @@ mod tests {
     }
 
     #[test]
-    fn a_measured_link_sets_the_bound() {
-        let p = plan(&smollm3_3b(4096), Budget { gpu_mem: Some(4 * GIB), free: None }, Link { gb_s: 25.0, measured: true }).unwrap();
+    fn a_given_link_sets_the_bound() {
+        let p = plan(&smollm3_3b(4096), Budget { gpu_mem: Some(4 * GIB), free: None }, Link { gb_s: 25.0, source: LinkSource::Given }).unwrap();
         assert!((p.bound_tok_s.unwrap() - 25e9 / 2_656_043_008.0).abs() < 1e-9);
         assert!(p.one_line().contains("19 of 36 layers resident, 17 streamed"), "{}", p.one_line());
-        assert!(!p.one_line().contains("assumed"));
+        assert!(p.one_line().contains("25 GB/s, given"), "{}", p.one_line());
     }
 
     #[test]
@@ -688,6 +713,18 @@ mod tests {
         assert_eq!((p.resident_layers.len(), p.ring_slot_bytes, p.device_bytes), (0, 200, 400));
         assert_eq!(plan(&d, Budget { gpu_mem: Some(500), free: None }, Link::default()).unwrap().decision, Decision::AllResident);
         assert!(matches!(plan(&d, Budget { gpu_mem: Some(399), free: None }, Link::default()), Err(ResidencyError::DoesNotFit { min_gpu_mem: 400, .. })));
+    }
+
+    #[test]
+    fn two_layers_never_stream() {
+        // A ring of two layers takes what both layers resident take: the smallest plan keeps
+        // them resident, and below it the refusal carries that plan.
+        let w = |l| WeightSpan { role: Role::AttnQ, layer: Some(l), bytes: 100, first_page: l, page_count: 1 };
+        let d = Demand { ctx: 1, weights: vec![w(0), w(1)], kv_bytes: 10, activation_bytes: 0, cublas_workspace_bytes: 0, module_and_graph_bytes: 0 };
+        let e = plan(&d, Budget { gpu_mem: Some(209), free: None }, Link::default()).unwrap_err();
+        let ResidencyError::DoesNotFit { plan: p, min_gpu_mem: 210 } = &e else { panic!("{e}") };
+        assert_eq!((p.decision, p.streamed_layers.len(), p.ring_slots), (Decision::AllResident, 0, 0));
+        assert!(e.to_string().contains("every weight resident (streaming would take no less)"), "{e}");
     }
 
     #[test]

@@ -5,6 +5,27 @@ pub mod plan;
 #[cfg(feature = "cuda")]
 pub mod runtime;
 
+/// Prompt tokens one batched prefill pass takes (the layout's prefill rows, at most the context):
+/// the figure host-side planning sizes the arena with. The runtime has its own constant; this
+/// check keeps the two equal.
+pub const PREFILL_ROWS: usize = 512;
+#[cfg(feature = "cuda")]
+const _: () = assert!(runtime::PREFILL_ROWS == PREFILL_ROWS);
+
+/// Free memory on GPU 0 as the driver reports it once a context exists, and that context (the
+/// device's primary context: holding it until the engine opens keeps the driver from tearing it
+/// down and building it again in between).
+#[cfg(feature = "cuda")]
+pub fn free_device_bytes() -> Result<(u64, std::sync::Arc<cudarc::driver::CudaContext>), String> {
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err("no CUDA driver (libcuda) found".into());
+    }
+    let ctx = cudarc::driver::CudaContext::new(0).map_err(|e| format!("no CUDA device: {e:?}"))?;
+    ctx.bind_to_thread().map_err(|e| format!("binding the CUDA context: {e:?}"))?;
+    let (free, _total) = cudarc::driver::result::mem_get_info().map_err(|e| format!("reading free device memory: {e:?}"))?;
+    Ok((free as u64, ctx))
+}
+
 /// How to bring an engine up: the choices a user or a benchmark makes.
 #[derive(Debug, Clone)]
 pub struct CudaOptions {

@@ -1,0 +1,118 @@
+//! `thin plan` on the tiny fixtures: the residency plan from the archive's real tensors and the
+//! CUDA layout of the engine compiled in, with no GPU (the budget is then unknown unless
+//! `--gpu-mem` gives it).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn thin(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_thin")).args(args).env("RAYON_NUM_THREADS", "2").output().expect("run thin")
+}
+
+fn convert(name: &str, dir: &Path) -> PathBuf {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny").join(name);
+    let out = dir.join(format!("{name}.thin"));
+    let o = thin(&["convert", src.to_str().expect("utf8"), "-o", out.to_str().expect("utf8"), "--quiet"]);
+    assert!(o.status.success(), "convert {name}: {}", String::from_utf8_lossy(&o.stderr));
+    out
+}
+
+fn plan_json(archive: &Path, extra: &[&str]) -> (Output, Value) {
+    let mut args = vec!["plan", archive.to_str().expect("utf8"), "--json"];
+    args.extend_from_slice(extra);
+    let o = thin(&args);
+    let v = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&o.stderr)));
+    (o, v)
+}
+
+// llama-tiny (tests/fixtures/tiny/llama-tiny/config.json), bf16, tied embeddings: vocab 256,
+// hidden 64, 2 layers, 4 heads and 2 KV heads of 16, ffn 128, max positions 256. By hand:
+//   embedding 256·64·2 = 32768; norms f32, 5 of 64·4 = 1280; always resident 34048.
+//   a layer: q, o 64·64·2 = 8192 each, k, v 32·64·2 = 4096 each, gate, up, down 128·64·2 = 16384
+//   each: 73728. Weights 34048 + 2·73728 = 181504.
+//   KV at ctx 256: 2 layers · (K, V) · 256 · 32 · 2 = 65536; at ctx 64: 16384.
+//   Two layers never stream (a ring of two takes what both resident take), so the smallest
+//   budget that runs at all is the all-resident one.
+#[test]
+fn plan_json_of_llama_tiny() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let a = convert("llama-tiny", tmp.path());
+    let (o, v) = plan_json(&a, &["--gpu-mem", "1GiB"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(v["arch"], "llama-tiny");
+    assert_eq!((v["decision"].as_str(), v["fits"].as_bool(), v["ctx"].as_u64()), (Some("all_resident"), Some(true), Some(256)));
+    assert_eq!(v["weight_bytes"], 181504);
+    assert_eq!(v["always_resident_bytes"], 34048);
+    assert_eq!(v["layer_bytes"], serde_json::json!([73728, 73728]));
+    assert_eq!(v["role_bytes"]["ffn_gate"], 2 * 16384);
+    assert_eq!(v["kv_bytes"], 65536);
+    assert_eq!(v["budget"]["gpu_mem"], 1u64 << 30);
+    assert_eq!((v["cublas_workspace_bytes"].as_u64(), v["module_and_graph_bytes"].as_u64()), (Some(32 << 20), Some(48 << 20)));
+    assert_eq!((v["streamed_bytes_per_token"].as_u64(), v["ring_slots"].as_u64(), v["bound_tok_s"].is_null()), (Some(0), Some(0), true));
+    assert_eq!((v["link"]["gb_s"].as_f64(), v["link"]["source"].as_str()), (Some(50.0), Some("assumed")));
+    let act = v["activation_bytes"].as_u64().expect("activations");
+    let all = 34048 + 65536 + act + (80 << 20) + 2 * 73728;
+    assert_eq!((v["all_resident_bytes"].as_u64(), v["min_stream_bytes"].as_u64(), v["device_bytes"].as_u64()), (Some(all), Some(all), Some(all)));
+    // Every tensor the schedule reads, with its pages: the tied embedding first.
+    let tensors = v["tensors"].as_array().expect("tensors");
+    assert_eq!(tensors.len(), 1 + 1 + 2 * 9);
+    assert_eq!((tensors[0]["role"].as_str(), tensors[0]["placement"].as_str(), tensors[0]["page_count"].as_u64()), (Some("token_embd"), Some("resident"), Some(1)));
+
+    // A shorter context: a smaller KV cache.
+    let (_, v) = plan_json(&a, &["--gpu-mem", "1GiB", "--ctx", "64"]);
+    assert_eq!((v["ctx"].as_u64(), v["kv_bytes"].as_u64()), (Some(64), Some(16384)));
+
+    // Without --gpu-mem and without a GPU: the all-resident plan, the budget unknown.
+    if v["budget"]["free"].is_null() {
+        let (o, v) = plan_json(&a, &[]);
+        assert!(o.status.success());
+        assert_eq!((v["decision"].as_str(), v["budget"]["gpu_mem"].is_null()), (Some("budget_unknown"), true));
+        let text = thin(&["plan", a.to_str().expect("utf8")]);
+        let text = String::from_utf8_lossy(&text.stdout);
+        assert!(text.contains("device budget is unknown") && text.contains(&format!("{}MiB", all.div_ceil(1 << 20))), "{text}");
+    }
+
+    // One byte short of it: refused, naming the smallest --gpu-mem that runs.
+    let short = (all - 1).to_string();
+    let (o, v) = plan_json(&a, &["--gpu-mem", &short]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(v["fits"], false);
+    let want = format!("--gpu-mem {}MiB", all.div_ceil(1 << 20));
+    assert!(v["error"].as_str().expect("error").contains(&want), "{}", v["error"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains(&want));
+}
+
+#[test]
+fn plan_refuses_bad_sizes_and_contexts() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let a = convert("llama-tiny", tmp.path());
+    let a = a.to_str().expect("utf8");
+    for bad in ["", "-1G", "4Q", "1.5.5G", "99999999999999999999G", "0"] {
+        let o = thin(&["plan", a, &format!("--gpu-mem={bad}")]);
+        assert_eq!(o.status.code(), Some(2), "{bad:?}: {}", String::from_utf8_lossy(&o.stderr));
+        assert!(String::from_utf8_lossy(&o.stderr).contains("--gpu-mem"), "{bad:?}");
+    }
+    let o = thin(&["plan", a, "--ctx", "257"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("more than the model's maximum of 256"), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+// smollm3-tiny and gemma3-tiny through the library: the plan counts every tensor the CUDA
+// schedule reads, so its weight bytes are the archive's tensors aligned to 256 each.
+#[test]
+fn plans_of_the_other_tiny_fixtures_count_every_weight() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    for name in ["smollm3-tiny", "gemma3-tiny"] {
+        let a = thin_core::format::Archive::open(&convert(name, tmp.path())).expect("open");
+        let m = a.manifest();
+        let p = thin::residency_plan(&a, 32, thin::Budget { gpu_mem: Some(1 << 30), free: None }, thin::Link::default()).expect("plan");
+        let aligned: u64 = m.tensors.iter().map(|t| t.byte_len.div_ceil(256) * 256).sum();
+        assert_eq!(p.weight_bytes, aligned, "{name}");
+        assert_eq!(p.layer_bytes.len() as u64, m.arch.dims.num_layers, "{name}");
+        let d = &m.arch.dims;
+        // K and V bf16 of every layer at ctx 32.
+        assert_eq!(p.kv_bytes, d.num_layers * 2 * 32 * d.num_kv_heads * d.head_dim * 2, "{name}");
+    }
+}
