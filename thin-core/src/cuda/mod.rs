@@ -5,12 +5,10 @@ pub mod plan;
 #[cfg(feature = "cuda")]
 pub mod runtime;
 
-/// Prompt tokens one batched prefill pass takes (the layout's prefill rows, at most the context):
-/// the figure host-side planning sizes the arena with. The runtime has its own constant; this
-/// check keeps the two equal.
+/// Prompt tokens one batched prefill pass takes (the layout's prefill rows, at most the context;
+/// longer prompts go in chunks of this many): the runtime sizes its arena with it, and host-side
+/// planning with the same figure.
 pub const PREFILL_ROWS: usize = 512;
-#[cfg(feature = "cuda")]
-const _: () = assert!(runtime::PREFILL_ROWS == PREFILL_ROWS);
 
 /// Free memory on GPU 0 as the driver reports it once a context exists, and that context (the
 /// device's primary context: holding it until the engine opens keeps the driver from tearing it

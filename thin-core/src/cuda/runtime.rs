@@ -268,8 +268,7 @@ pub struct TimelineRow {
     pub us_per_step: f64,
 }
 
-/// Prompt tokens one batched prefill pass takes; longer prompts go in chunks of this many.
-pub const PREFILL_ROWS: usize = 512;
+pub use super::PREFILL_ROWS;
 
 /// The CUDA engine: every weight resident on the device, the decode step one graph, prefill
 /// batched (cuBLAS GEMMs over all prompt rows, causal attention over the cache).
