@@ -382,6 +382,23 @@ pub(crate) fn check_nonfinite_rows(
     Ok(())
 }
 
+/// GGUF Q8_0 blocks (`d` f16, then 32 int8: 34 bytes each) split for the GPU kernels, which load
+/// 16 values at a time and need them 16-byte aligned: every block's 32 int8 values in order, then
+/// (from the next multiple of 64 bytes) every block's f16 `d` in order. The same bytes, moved.
+pub fn split_blocks(blocks: &[u8]) -> Result<Vec<u8>, CodecError> {
+    if blocks.len() % BLOCK_BYTES != 0 {
+        return Err(CodecError::PartialBlock { dtype: NAME, count: blocks.len() as u64, block_elems: BLOCK_BYTES as u64 });
+    }
+    let n = blocks.len() / BLOCK_BYTES;
+    let scales_at = (n * 32).next_multiple_of(64);
+    let mut out = vec![0u8; scales_at + 2 * n];
+    for (k, b) in blocks.chunks_exact(BLOCK_BYTES).enumerate() {
+        out[32 * k..32 * k + 32].copy_from_slice(&b[2..]);
+        out[scales_at + 2 * k..scales_at + 2 * k + 2].copy_from_slice(&b[..2]);
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -484,5 +501,24 @@ mod tests {
             let mag: f64 = row.iter().zip(&x).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
             assert!((fast[r] as f64 - exact).abs() <= 1e-6 * mag, "row {r}");
         }
+    }
+
+    #[test]
+    fn split_blocks_moves_values_then_scales() {
+        // Three blocks: d = 1.0, 2.0, -0.5 (f16 0x3c00, 0x4000, 0xb800), values k*3 + i.
+        let ds = [0x3c00u16, 0x4000, 0xb800];
+        let mut blocks = Vec::new();
+        for (k, d) in ds.iter().enumerate() {
+            blocks.extend(d.to_le_bytes());
+            blocks.extend((0..32).map(|i| (k as u8 * 3).wrapping_add(i)));
+        }
+        let out = split_blocks(&blocks).unwrap();
+        assert_eq!(out.len(), 128 + 6, "96 values padded to 128, then 3 scales");
+        for k in 0..3 {
+            assert_eq!(&out[32 * k..32 * k + 32], &blocks[34 * k + 2..34 * k + 34]);
+            assert_eq!(u16::from_le_bytes([out[128 + 2 * k], out[129 + 2 * k]]), ds[k]);
+        }
+        assert!(out[96..128].iter().all(|&b| b == 0));
+        assert!(matches!(split_blocks(&blocks[..33]), Err(CodecError::PartialBlock { .. })));
     }
 }

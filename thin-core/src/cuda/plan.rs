@@ -30,7 +30,7 @@ pub const MATVEC_MAX_BLOCKS: u32 = 4096;
 pub const ALIGN: usize = 256;
 /// Weight storage types the kernels have a traits block for (`kernels/decode.cu.j2`): a kernel
 /// that reads weights exists once per type, named [`instance`].
-pub const WEIGHT_TYPES: [DType; 4] = [DType::Bf16, DType::F32, DType::F8E4m3, DType::Mxfp4];
+pub const WEIGHT_TYPES: [DType; 5] = [DType::Bf16, DType::F32, DType::F8E4m3, DType::Mxfp4, DType::Q8_0];
 
 /// The element type prefill's GEMMs read for weights stored as `t` (and their input rows): the
 /// type itself for bf16 and f32; bf16 for a quantized type, whose matrix the `dequant_<type>`

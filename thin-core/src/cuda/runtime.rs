@@ -217,10 +217,16 @@ impl WeightSource for Archive {
     }
 }
 
-/// A tensor's bytes as the kernels read them: as stored, except an MXFP4 matrix without a row
-/// postscale, which gets a section of bf16 ones where the layout puts one (the kernels always
-/// read it: one instance for both).
+/// A tensor's bytes as the kernels read them: as stored, except
+/// - an MXFP4 matrix without a row postscale, which gets a section of bf16 ones where the layout
+///   puts one (the kernels always read it: one instance for both);
+/// - GGUF Q8_0 blocks (an f16 scale, then 32 int8: 34 bytes, no 16-byte alignment), split into
+///   the int8 values, row-major, then (64-byte aligned) the f16 scales, so the kernels load 16
+///   values at a time. The same bytes, moved.
 fn device_bytes<'a>(dtype: Option<DType>, shape: Option<Vec<u64>>, bytes: std::borrow::Cow<'a, [u8]>) -> Result<std::borrow::Cow<'a, [u8]>, String> {
+    if dtype == Some(DType::Q8_0) {
+        return crate::codecs::q8_0::split_blocks(&bytes).map(std::borrow::Cow::Owned).map_err(|e| e.to_string());
+    }
     if dtype != Some(DType::Mxfp4) {
         return Ok(bytes);
     }
