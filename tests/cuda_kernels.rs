@@ -21,11 +21,11 @@
 //! rows, and `norm_residual` over prefill rows where scheduled; a last check fails if any
 //! kernel instance the module defines never ran. The decode forms of qk_rope_kv, attn_partial and
 //! attn_combine_rows (over `Qkv` and the split partials) are launched by hand from the schedule's
-//! prefill launches: the split merge is only reached that way. Each arch runs five times: bf16 weights,
+//! prefill launches: the split merge is only reached that way. Each arch runs six times: bf16 weights,
 //! then layer 0 and the embedding in f32 (every kernel instance of both types runs), then every
 //! matrix in FP8 e4m3 with row scales, then every matrix in MXFP4 (layer 0 and the embedding with
-//! a row postscale, the rest without), then every matrix in GGUF Q8_0 blocks: the quantized
-//! instances, and prefill's dequant before its GEMMs. Not covered:
+//! a row postscale, the rest without), then every matrix in GGUF Q8_0 blocks, then in Q4_1
+//! blocks: the quantized instances, and prefill's dequant before its GEMMs. Not covered:
 //! the decode graph and the prefill pass as wholes.
 #![cfg(feature = "cuda")]
 #![cfg_attr(not(any(feature = "smollm2-135m", feature = "llama3.2-1b", feature = "smollm3-3b", feature = "gemma3-270m")), allow(dead_code, unused_imports))]
@@ -224,8 +224,9 @@ enum Mix {
     /// Every matrix MXFP4; layer 0's and the embedding with a fitted bf16 row postscale, the
     /// others without (the runtime adds ones).
     Mxfp4,
-    /// Every matrix GGUF Q8_0 blocks (the runtime repacks them at upload).
+    /// Every matrix GGUF Q8_0 blocks, then Q4_1 blocks (the runtime splits them at upload).
     Q8_0,
+    Q4_1,
 }
 
 struct RandomWeights {
@@ -275,6 +276,7 @@ impl RandomWeights {
                 Mix::Fp8 => DType::F8E4m3,
                 Mix::Mxfp4 => DType::Mxfp4,
                 Mix::Q8_0 => DType::Q8_0,
+                Mix::Q4_1 => DType::Q4_1,
                 _ => DType::Bf16,
             };
             let bytes = match (role.is_norm(), t) {
@@ -310,6 +312,15 @@ impl RandomWeights {
                     }
                     blocks
                 }
+                (false, DType::Q4_1) => {
+                    let x: Vec<f32> = random_bytes(seed, rows * cols, |r| r.sym(amp).to_le_bytes()).chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                    let row_bytes = cols / 32 * thin_core::codecs::q4_1::BLOCK_BYTES;
+                    let mut blocks = vec![0u8; rows * row_bytes];
+                    for (xr, br) in x.chunks(cols).zip(blocks.chunks_mut(row_bytes)) {
+                        thin_core::codecs::q4_1::quantize_row(xr, br).expect("q4_1 quantize");
+                    }
+                    blocks
+                }
                 (false, _) => random_bytes(seed, rows * cols, |r| to_bf16(r.sym(amp)).to_le_bytes()),
             };
             tensors.insert((role, v), (t, bytes));
@@ -339,6 +350,7 @@ impl RandomWeights {
                 WeightView::F8E4m3 { values: &b[..rows * cols], scales: &scales, cols }.to_f32_vec()
             }
             (DType::Q8_0, b) => WeightView::Q8_0 { blocks: b, cols: self.cols[&role] }.to_f32_vec(),
+            (DType::Q4_1, b) => WeightView::Q4_1 { blocks: b, cols: self.cols[&role] }.to_f32_vec(),
             (DType::Mxfp4, b) => {
                 let (rows, cols) = (self.rows[&role], self.cols[&role]);
                 let e = (rows * cols / 2).next_multiple_of(64);
@@ -1154,7 +1166,7 @@ fn run_arch(a: CudaArch, r: Ref) {
     let seed = a.arch.bytes().fold(0x7468_696e_u64, |s, b| mix(s ^ b as u64));
     let mut checks = Vec::new();
     let mut ran = BTreeSet::new();
-    for mix in [Mix::Bf16, Mix::F32Layer0, Mix::Fp8, Mix::Mxfp4, Mix::Q8_0] {
+    for mix in [Mix::Bf16, Mix::F32Layer0, Mix::Fp8, Mix::Mxfp4, Mix::Q8_0, Mix::Q4_1] {
         let mixed = mix != Mix::Bf16;
         let w = RandomWeights::new(&a, seed, mix);
         let e = match CudaEngine::with_weights(&w, &a, &CudaOptions::new(CTX)) {

@@ -252,6 +252,24 @@ pub fn matvec_rows_on(isa: Isa, blocks: &[u8], x: &[f32], out: &mut [f32]) -> Re
     check_nonfinite_rows(NAME, BLOCK_BYTES, &[0, 2], blocks, x.len(), out)
 }
 
+/// GGUF Q4_1 blocks (`d`, `m` f16, then 16 nibble bytes: 20 bytes each) split for the GPU
+/// kernels, which load a block's 16 nibble bytes at once and need them 16-byte aligned: every
+/// block's 16 bytes in order, then (from the next multiple of 64 bytes) every block's `d`, `m`
+/// pair in order. The same bytes, moved.
+pub fn split_blocks(blocks: &[u8]) -> Result<Vec<u8>, CodecError> {
+    if blocks.len() % BLOCK_BYTES != 0 {
+        return Err(CodecError::PartialBlock { dtype: NAME, count: blocks.len() as u64, block_elems: BLOCK_BYTES as u64 });
+    }
+    let n = blocks.len() / BLOCK_BYTES;
+    let scales_at = (n * 16).next_multiple_of(64);
+    let mut out = vec![0u8; scales_at + 4 * n];
+    for (k, b) in blocks.chunks_exact(BLOCK_BYTES).enumerate() {
+        out[16 * k..16 * k + 16].copy_from_slice(&b[4..]);
+        out[scales_at + 4 * k..scales_at + 4 * k + 4].copy_from_slice(&b[..4]);
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -362,5 +380,24 @@ mod tests {
             let mag: f64 = row.iter().zip(&x).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
             assert!((fast[r] as f64 - exact).abs() <= 1e-6 * mag, "row {r}");
         }
+    }
+
+    #[test]
+    fn split_blocks_moves_nibbles_then_scale_pairs() {
+        // Five blocks: d, m = (k, 100 + k) as raw f16 bits, nibble bytes 7k + i.
+        let mut blocks = Vec::new();
+        for k in 0..5u16 {
+            blocks.extend(k.to_le_bytes());
+            blocks.extend((100 + k).to_le_bytes());
+            blocks.extend((0..16).map(|i| (k as u8 * 7).wrapping_add(i)));
+        }
+        let out = split_blocks(&blocks).unwrap();
+        assert_eq!(out.len(), 128 + 20, "80 nibble bytes padded to 128, then 5 (d, m) pairs");
+        for k in 0..5 {
+            assert_eq!(&out[16 * k..16 * k + 16], &blocks[20 * k + 4..20 * k + 20]);
+            assert_eq!(&out[128 + 4 * k..132 + 4 * k], &blocks[20 * k..20 * k + 4]);
+        }
+        assert!(out[80..128].iter().all(|&b| b == 0));
+        assert!(matches!(split_blocks(&blocks[..19]), Err(CodecError::PartialBlock { .. })));
     }
 }

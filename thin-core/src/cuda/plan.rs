@@ -30,7 +30,7 @@ pub const MATVEC_MAX_BLOCKS: u32 = 4096;
 pub const ALIGN: usize = 256;
 /// Weight storage types the kernels have a traits block for (`kernels/decode.cu.j2`): a kernel
 /// that reads weights exists once per type, named [`instance`].
-pub const WEIGHT_TYPES: [DType; 5] = [DType::Bf16, DType::F32, DType::F8E4m3, DType::Mxfp4, DType::Q8_0];
+pub const WEIGHT_TYPES: [DType; 6] = [DType::Bf16, DType::F32, DType::F8E4m3, DType::Mxfp4, DType::Q8_0, DType::Q4_1];
 
 /// The element type prefill's GEMMs read for weights stored as `t` (and their input rows): the
 /// type itself for bf16 and f32; bf16 for a quantized type, whose matrix the `dequant_<type>`
@@ -658,8 +658,8 @@ mod tests {
         let l = Layout::new(&a, 64, 32, &fp8, 132).unwrap();
         assert_eq!((l.get(Buf::PW).unwrap().1, l.get(Buf::PXn).unwrap().1), (128 * 64 * 2, 32 * 64 * 2));
         assert!(Layout::new(&a, 64, 32, &bf16, 132).unwrap().get(Buf::PW).is_none(), "no scratch without a quantized GEMM");
-        let q4 = |w: WeightRef| if w.0 == Role::AttnQ { Some(DType::Q4_1) } else { bf16(w) };
-        assert!(matches!(Layout::new(&a, 64, 32, &q4, 132).unwrap_err(), PlanError::WeightType { role: Role::AttnQ, .. }));
+        let f16 = |w: WeightRef| if w.0 == Role::AttnQ { Some(DType::F16) } else { bf16(w) };
+        assert!(matches!(Layout::new(&a, 64, 32, &f16, 132).unwrap_err(), PlanError::WeightType { role: Role::AttnQ, .. }), "no f16 instance");
         let none = |w: WeightRef| if w.0 == Role::AttnQ { None } else { bf16(w) };
         assert!(matches!(Layout::new(&a, 64, 32, &none, 132).unwrap_err(), PlanError::MissingWeight { role: Role::AttnQ, .. }));
     }

@@ -222,10 +222,14 @@ impl WeightSource for Archive {
 ///   puts one (the kernels always read it: one instance for both);
 /// - GGUF Q8_0 blocks (an f16 scale, then 32 int8: 34 bytes, no 16-byte alignment), split into
 ///   the int8 values, row-major, then (64-byte aligned) the f16 scales, so the kernels load 16
-///   values at a time. The same bytes, moved.
+///   values at a time; likewise Q4_1 (d, m, 16 nibble bytes: 20) into the nibble bytes, then the
+///   (d, m) pairs. The same bytes, moved.
 fn device_bytes<'a>(dtype: Option<DType>, shape: Option<Vec<u64>>, bytes: std::borrow::Cow<'a, [u8]>) -> Result<std::borrow::Cow<'a, [u8]>, String> {
     if dtype == Some(DType::Q8_0) {
         return crate::codecs::q8_0::split_blocks(&bytes).map(std::borrow::Cow::Owned).map_err(|e| e.to_string());
+    }
+    if dtype == Some(DType::Q4_1) {
+        return crate::codecs::q4_1::split_blocks(&bytes).map(std::borrow::Cow::Owned).map_err(|e| e.to_string());
     }
     if dtype != Some(DType::Mxfp4) {
         return Ok(bytes);
