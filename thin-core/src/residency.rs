@@ -16,11 +16,9 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::cuda::plan::{Layout, ALIGN};
-use crate::dtype::DType;
+use crate::cuda::plan::{device_len, Layout, ALIGN};
 use crate::manifest::{Manifest, TensorEntry};
 use crate::role::Role;
-use crate::weight_format::WeightLayout;
 
 /// cuBLAS's own workspace for prefill's GEMMs: the library's default on Hopper (32 MiB; 4 MiB on
 /// older GPUs — the larger is taken). The runtime does not set one.
@@ -119,20 +117,10 @@ pub struct Demand {
     pub module_and_graph_bytes: u64,
 }
 
-/// Bytes a tensor takes on the device: as stored, except an MXFP4 matrix without a row postscale,
-/// which the runtime uploads with a bf16 one; each aligned to [`ALIGN`] as the runtime packs them.
-fn device_len(t: &TensorEntry) -> u64 {
-    let mut n = t.byte_len;
-    if t.dtype == DType::Mxfp4 {
-        let bare = WeightLayout::of(DType::Mxfp4, &t.shape, false).map(|l| l.byte_len);
-        let with = WeightLayout::of(DType::Mxfp4, &t.shape, true).map(|l| l.byte_len);
-        if let (Ok(bare), Ok(with)) = (bare, with) {
-            if bare == n {
-                n = with;
-            }
-        }
-    }
-    n.div_ceil(ALIGN as u64) * ALIGN as u64
+/// Bytes a tensor takes on the device ([`device_len`]: as the runtime lays it out), aligned to
+/// [`ALIGN`] as the runtime packs them.
+fn device_len_aligned(t: &TensorEntry) -> u64 {
+    device_len(t.dtype, &t.shape, t.byte_len).div_ceil(ALIGN as u64) * ALIGN as u64
 }
 
 impl Demand {
@@ -143,7 +131,7 @@ impl Demand {
             .keys()
             .map(|&(role, layer)| {
                 let t = m.tensor(role, layer).ok_or(ResidencyError::MissingWeight { role, layer })?;
-                Ok(WeightSpan { role, layer, bytes: device_len(t), first_page: t.first_page, page_count: t.page_count })
+                Ok(WeightSpan { role, layer, bytes: device_len_aligned(t), first_page: t.first_page, page_count: t.page_count })
             })
             .collect::<Result<Vec<_>, _>>()?;
         let kv = layout.kv_bytes() as u64;

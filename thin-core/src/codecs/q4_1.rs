@@ -252,6 +252,11 @@ pub fn matvec_rows_on(isa: Isa, blocks: &[u8], x: &[f32], out: &mut [f32]) -> Re
     check_nonfinite_rows(NAME, BLOCK_BYTES, &[0, 2], blocks, x.len(), out)
 }
 
+/// Bytes of [`split_blocks`]'s output for `n` blocks.
+pub fn split_len(n: usize) -> usize {
+    (n * 16).next_multiple_of(64) + 4 * n
+}
+
 /// GGUF Q4_1 blocks (`d`, `m` f16, then 16 nibble bytes: 20 bytes each) split for the GPU
 /// kernels, which load a block's 16 nibble bytes at once and need them 16-byte aligned: every
 /// block's 16 bytes in order, then (from the next multiple of 64 bytes) every block's `d`, `m`
@@ -262,7 +267,7 @@ pub fn split_blocks(blocks: &[u8]) -> Result<Vec<u8>, CodecError> {
     }
     let n = blocks.len() / BLOCK_BYTES;
     let scales_at = (n * 16).next_multiple_of(64);
-    let mut out = vec![0u8; scales_at + 4 * n];
+    let mut out = vec![0u8; split_len(n)];
     for (k, b) in blocks.chunks_exact(BLOCK_BYTES).enumerate() {
         out[16 * k..16 * k + 16].copy_from_slice(&b[4..]);
         out[scales_at + 4 * k..scales_at + 4 * k + 4].copy_from_slice(&b[..4]);

@@ -382,6 +382,11 @@ pub(crate) fn check_nonfinite_rows(
     Ok(())
 }
 
+/// Bytes of [`split_blocks`]'s output for `n` blocks.
+pub fn split_len(n: usize) -> usize {
+    (n * 32).next_multiple_of(64) + 2 * n
+}
+
 /// GGUF Q8_0 blocks (`d` f16, then 32 int8: 34 bytes each) split for the GPU kernels, which load
 /// 16 values at a time and need them 16-byte aligned: every block's 32 int8 values in order, then
 /// (from the next multiple of 64 bytes) every block's f16 `d` in order. The same bytes, moved.
@@ -391,7 +396,7 @@ pub fn split_blocks(blocks: &[u8]) -> Result<Vec<u8>, CodecError> {
     }
     let n = blocks.len() / BLOCK_BYTES;
     let scales_at = (n * 32).next_multiple_of(64);
-    let mut out = vec![0u8; scales_at + 2 * n];
+    let mut out = vec![0u8; split_len(n)];
     for (k, b) in blocks.chunks_exact(BLOCK_BYTES).enumerate() {
         out[32 * k..32 * k + 32].copy_from_slice(&b[2..]);
         out[scales_at + 2 * k..scales_at + 2 * k + 2].copy_from_slice(&b[..2]);

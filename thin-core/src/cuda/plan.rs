@@ -6,9 +6,13 @@
 
 use std::collections::BTreeMap;
 
+use std::borrow::Cow;
+
 use crate::arch::ShapeDims;
+use crate::codecs::{q4_1, q8_0};
 use crate::dtype::DType;
 use crate::role::Role;
+use crate::weight_format::{ScaleKind, ScaleSection, WeightLayout};
 
 /// Warps per block of every matvec kernel (one output row per warp at a time). The kernel
 /// template receives the same constant, so plan and kernels cannot disagree.
@@ -40,6 +44,47 @@ pub fn gemm_type(t: DType) -> DType {
         DType::F32 => DType::F32,
         _ => DType::Bf16,
     }
+}
+
+/// The row postscale section the runtime adds to an MXFP4 matrix of `shape` stored in
+/// `stored_len` bytes without one (the kernels always read a postscale: one instance for both);
+/// `None` for every other tensor.
+fn added_postscale(dtype: DType, shape: &[u64], stored_len: u64) -> Option<ScaleSection> {
+    if dtype != DType::Mxfp4 || WeightLayout::of(dtype, shape, false).ok()?.byte_len != stored_len {
+        return None;
+    }
+    WeightLayout::of(dtype, shape, true).ok()?.scales.into_iter().find(|s| s.kind == ScaleKind::Row)
+}
+
+/// Bytes a tensor of `stored_len` bytes takes on the device, laid out by [`device_bytes`].
+pub fn device_len(dtype: DType, shape: &[u64], stored_len: u64) -> u64 {
+    match dtype {
+        DType::Q8_0 => q8_0::split_len(stored_len as usize / q8_0::BLOCK_BYTES) as u64,
+        DType::Q4_1 => q4_1::split_len(stored_len as usize / q4_1::BLOCK_BYTES) as u64,
+        _ => added_postscale(dtype, shape, stored_len).map_or(stored_len, |p| p.offset + 2 * p.count),
+    }
+}
+
+/// A tensor's bytes as the kernels read them: as stored, except
+/// - an MXFP4 matrix without a row postscale, which gets a section of bf16 ones where the layout
+///   puts one;
+/// - GGUF Q8_0 blocks (an f16 scale, then 32 int8: 34 bytes, no 16-byte alignment), split into
+///   the int8 values, row-major, then (64-byte aligned) the f16 scales, so the kernels load 16
+///   values at a time; likewise Q4_1 (d, m, 16 nibble bytes: 20) into the nibble bytes, then the
+///   (d, m) pairs. The same bytes, moved.
+pub fn device_bytes<'a>(dtype: DType, shape: &[u64], bytes: Cow<'a, [u8]>) -> Result<Cow<'a, [u8]>, String> {
+    match dtype {
+        DType::Q8_0 => return q8_0::split_blocks(&bytes).map(Cow::Owned).map_err(|e| e.to_string()),
+        DType::Q4_1 => return q4_1::split_blocks(&bytes).map(Cow::Owned).map_err(|e| e.to_string()),
+        _ => {}
+    }
+    let Some(post) = added_postscale(dtype, shape, bytes.len() as u64) else { return Ok(bytes) };
+    let mut out = bytes.into_owned();
+    out.resize(post.offset as usize, 0);
+    for _ in 0..post.count {
+        out.extend_from_slice(&half::bf16::ONE.to_le_bytes());
+    }
+    Ok(Cow::Owned(out))
 }
 
 /// Whether prefill dequantizes weights of type `t` before a GEMM.
@@ -662,6 +707,27 @@ mod tests {
         assert!(matches!(Layout::new(&a, 64, 32, &f16, 132).unwrap_err(), PlanError::WeightType { role: Role::AttnQ, .. }), "no f16 instance");
         let none = |w: WeightRef| if w.0 == Role::AttnQ { None } else { bf16(w) };
         assert!(matches!(Layout::new(&a, 64, 32, &none, 132).unwrap_err(), PlanError::MissingWeight { role: Role::AttnQ, .. }));
+    }
+
+    /// What the runtime uploads and what planning counts for it agree, per storage type: MXFP4
+    /// without a postscale gets one of bf16 ones, GGUF blocks are split, the rest pass as stored.
+    #[test]
+    fn device_bytes_and_device_len_agree() {
+        let shape = [4u64, 64];
+        let mx = |post| WeightLayout::of(DType::Mxfp4, &shape, post).unwrap().byte_len as usize;
+        let cases: [(DType, usize); 5] = [(DType::Bf16, 512), (DType::Mxfp4, mx(false)), (DType::Mxfp4, mx(true)), (DType::Q8_0, 8 * 34), (DType::Q4_1, 8 * 20)];
+        for (t, n) in cases {
+            let stored: Vec<u8> = (0..n).map(|i| i as u8).collect();
+            let dev = device_bytes(t, &shape, Cow::Borrowed(&stored[..])).unwrap();
+            assert_eq!(dev.len() as u64, device_len(t, &shape, n as u64), "{t:?} of {n} bytes");
+            assert_eq!(&dev[..16], &stored[if t == DType::Q8_0 { 2 } else if t == DType::Q4_1 { 4 } else { 0 }..][..16], "{t:?}: the first block's values lead");
+        }
+        // The added postscale: ones after the stored bytes, where the layout with one puts it.
+        let bare: Vec<u8> = vec![7; mx(false)];
+        let dev = device_bytes(DType::Mxfp4, &shape, Cow::Borrowed(&bare[..])).unwrap();
+        assert_eq!((dev.len(), &dev[..bare.len()]), (mx(true), &bare[..]));
+        let one = half::bf16::ONE.to_le_bytes();
+        assert!(dev[dev.len() - 8..].chunks(2).all(|c| c == one), "four bf16 ones");
     }
 
     #[test]

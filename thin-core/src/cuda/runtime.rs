@@ -16,7 +16,6 @@ use cudarc::nvrtc::{result as nvrtc, sys as nvrtcsys};
 
 pub use super::CudaOptions;
 use super::plan::{self, Arg, Buf, CudaArch, Gemm, Launch, Layout, RopeTable, Step};
-use crate::weight_format::{ScaleKind, WeightLayout};
 use crate::dtype::DType;
 use crate::engine::EngineError;
 use crate::format::Archive;
@@ -217,38 +216,6 @@ impl WeightSource for Archive {
     }
 }
 
-/// A tensor's bytes as the kernels read them: as stored, except
-/// - an MXFP4 matrix without a row postscale, which gets a section of bf16 ones where the layout
-///   puts one (the kernels always read it: one instance for both);
-/// - GGUF Q8_0 blocks (an f16 scale, then 32 int8: 34 bytes, no 16-byte alignment), split into
-///   the int8 values, row-major, then (64-byte aligned) the f16 scales, so the kernels load 16
-///   values at a time; likewise Q4_1 (d, m, 16 nibble bytes: 20) into the nibble bytes, then the
-///   (d, m) pairs. The same bytes, moved.
-fn device_bytes<'a>(dtype: Option<DType>, shape: Option<Vec<u64>>, bytes: std::borrow::Cow<'a, [u8]>) -> Result<std::borrow::Cow<'a, [u8]>, String> {
-    if dtype == Some(DType::Q8_0) {
-        return crate::codecs::q8_0::split_blocks(&bytes).map(std::borrow::Cow::Owned).map_err(|e| e.to_string());
-    }
-    if dtype == Some(DType::Q4_1) {
-        return crate::codecs::q4_1::split_blocks(&bytes).map(std::borrow::Cow::Owned).map_err(|e| e.to_string());
-    }
-    if dtype != Some(DType::Mxfp4) {
-        return Ok(bytes);
-    }
-    let shape = shape.ok_or("no shape")?;
-    let bare = WeightLayout::of(DType::Mxfp4, &shape, false).map_err(|e| e.to_string())?;
-    if bytes.len() as u64 != bare.byte_len {
-        return Ok(bytes);
-    }
-    let with = WeightLayout::of(DType::Mxfp4, &shape, true).map_err(|e| e.to_string())?;
-    let post = with.scales.iter().find(|s| s.kind == ScaleKind::Row).ok_or("no postscale section")?;
-    let mut out = bytes.into_owned();
-    out.resize(post.offset as usize, 0);
-    for _ in 0..post.count {
-        out.extend_from_slice(&half::bf16::ONE.to_le_bytes());
-    }
-    Ok(std::borrow::Cow::Owned(out))
-}
-
 /// Device time of one kernel of the decode step, from [`CudaEngine::profile`].
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct KernelTime {
@@ -394,7 +361,11 @@ fn upload_weights(dev: &Device, src: &dyn WeightSource, arch: &CudaArch, progres
         if role.is_norm() && stored != Some(DType::F32) {
             return Err(CudaError::Weight { role, layer, msg: format!("stored as {stored:?}; the kernels read norm weights as f32") });
         }
-        let bytes = src.bytes(role, layer).and_then(|b| device_bytes(stored, src.shape(role, layer), b)).map_err(|msg| CudaError::Weight { role, layer, msg })?;
+        let bytes = match (stored, src.shape(role, layer)) {
+            (Some(t), Some(shape)) => src.bytes(role, layer).and_then(|b| plan::device_bytes(t, &shape, b)),
+            _ => Err("missing".to_string()),
+        }
+        .map_err(|msg| CudaError::Weight { role, layer, msg })?;
         let n = bytes.len();
         offsets.insert((role, layer), (total, n));
         sources.push((bytes, total));
