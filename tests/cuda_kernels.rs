@@ -189,6 +189,16 @@ fn reads(a: &CudaArch, role: Role) -> bool {
     a.schedule.weights().iter().any(|w| w.0 == role)
 }
 
+/// GGUF blocks of `block_bytes` per 32 values, rows of `cols`, made by the codec's `quantize_row`.
+fn gguf_blocks(x: &[f32], cols: usize, block_bytes: usize, quantize_row: fn(&[f32], &mut [u8]) -> Result<(), thin_core::codecs::CodecError>) -> Vec<u8> {
+    let row_bytes = cols / 32 * block_bytes;
+    let mut blocks = vec![0u8; x.len() / cols * row_bytes];
+    for (xr, br) in x.chunks(cols).zip(blocks.chunks_mut(row_bytes)) {
+        quantize_row(xr, br).expect("quantize a row of GGUF blocks");
+    }
+    blocks
+}
+
 /// Whether the arch normalises the whole Q and K projections (a kernel of its own) rather than per head.
 fn whole_qk_norm(a: &CudaArch) -> bool {
     a.schedule.decode.iter().any(|l| l.kernel == "qk_norm_whole")
@@ -279,48 +289,32 @@ impl RandomWeights {
                 Mix::Q4_1 => DType::Q4_1,
                 _ => DType::Bf16,
             };
+            // The matrix's values before quantization (the f32 ones' bytes).
+            let weights = || -> Vec<f32> { random_bytes(seed, rows * cols, |r| r.sym(amp).to_le_bytes()).chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect() };
             let bytes = match (role.is_norm(), t) {
                 (true, _) => random_bytes(seed, rows * cols, |r| (1.0 + r.sym(0.1)).to_le_bytes()),
                 (false, DType::F32) => random_bytes(seed, rows * cols, |r| r.sym(amp).to_le_bytes()),
                 (false, DType::F8E4m3) => {
-                    let x: Vec<f32> = random_bytes(seed, rows * cols, |r| r.sym(amp).to_le_bytes()).chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
                     let (mut values, mut scales) = (vec![0u8; rows * cols], vec![0f32; rows]);
-                    thin_core::codecs::fp8::quantize(&x, cols, &mut values, &mut scales).expect("fp8 quantize");
+                    thin_core::codecs::fp8::quantize(&weights(), cols, &mut values, &mut scales).expect("fp8 quantize");
                     let scales: Vec<u8> = scales.iter().flat_map(|f| f.to_le_bytes()).collect();
                     WeightLayout::of(t, &[rows as u64, cols as u64], false).expect("fp8 layout").assemble(&values, &[&scales])
                 }
                 (false, DType::Mxfp4) => {
-                    let x: Vec<f32> = random_bytes(seed, rows * cols, |r| r.sym(amp).to_le_bytes()).chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
                     let (mut values, mut scales) = (vec![0u8; rows * cols / 2], vec![0u8; rows * cols / 32]);
                     let layout = |post| WeightLayout::of(t, &[rows as u64, cols as u64], post).expect("mxfp4 layout");
                     if v == 0 {
                         let mut post = vec![half::bf16::ONE; rows];
-                        thin_core::codecs::mxfp4::quantize_with_postscale(&x, cols, &mut values, &mut scales, &mut post).expect("mxfp4 quantize");
+                        thin_core::codecs::mxfp4::quantize_with_postscale(&weights(), cols, &mut values, &mut scales, &mut post).expect("mxfp4 quantize");
                         let post: Vec<u8> = post.iter().flat_map(|p| p.to_le_bytes()).collect();
                         layout(true).assemble(&values, &[&scales, &post])
                     } else {
-                        thin_core::codecs::mxfp4::quantize(&x, cols, &mut values, &mut scales).expect("mxfp4 quantize");
+                        thin_core::codecs::mxfp4::quantize(&weights(), cols, &mut values, &mut scales).expect("mxfp4 quantize");
                         layout(false).assemble(&values, &[&scales])
                     }
                 }
-                (false, DType::Q8_0) => {
-                    let x: Vec<f32> = random_bytes(seed, rows * cols, |r| r.sym(amp).to_le_bytes()).chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-                    let row_bytes = cols / 32 * thin_core::codecs::q8_0::BLOCK_BYTES;
-                    let mut blocks = vec![0u8; rows * row_bytes];
-                    for (xr, br) in x.chunks(cols).zip(blocks.chunks_mut(row_bytes)) {
-                        thin_core::codecs::q8_0::quantize_row(xr, br).expect("q8_0 quantize");
-                    }
-                    blocks
-                }
-                (false, DType::Q4_1) => {
-                    let x: Vec<f32> = random_bytes(seed, rows * cols, |r| r.sym(amp).to_le_bytes()).chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-                    let row_bytes = cols / 32 * thin_core::codecs::q4_1::BLOCK_BYTES;
-                    let mut blocks = vec![0u8; rows * row_bytes];
-                    for (xr, br) in x.chunks(cols).zip(blocks.chunks_mut(row_bytes)) {
-                        thin_core::codecs::q4_1::quantize_row(xr, br).expect("q4_1 quantize");
-                    }
-                    blocks
-                }
+                (false, DType::Q8_0) => gguf_blocks(&weights(), cols, thin_core::codecs::q8_0::BLOCK_BYTES, thin_core::codecs::q8_0::quantize_row),
+                (false, DType::Q4_1) => gguf_blocks(&weights(), cols, thin_core::codecs::q4_1::BLOCK_BYTES, thin_core::codecs::q4_1::quantize_row),
                 (false, _) => random_bytes(seed, rows * cols, |r| to_bf16(r.sym(amp)).to_le_bytes()),
             };
             tensors.insert((role, v), (t, bytes));
