@@ -8,6 +8,8 @@ prompt lengths measured; HF rows are the reference and carry none).
     AB_CONFIG=name python3 bench/collect.py OUT_DIR COMMIT
 also takes bench/ab.sh's rows of that config from OUT_DIR/ab.jsonl, one row per round, with
 "config" and "method" added: decode only (ab.sh runs --pp 16 --tg 16, so prefill_tok_s is None).
+bench/profiles.sh's rows (OUT_DIR/profiles.jsonl) are taken as they are, one per round, with the
+bytes per token, copy rate and roofline beside the speed.
 """
 import datetime, json, os, sys
 
@@ -47,6 +49,13 @@ def main(out, commit, results="bench/results/h200.jsonl"):
                          decode_tok_s=r["decode_tok_s"], prefill_tok_s=None, peak_gib=r["peak_gib"],
                          min_cosine=None, top1_match=None, top5_set=None,
                          config=ab, method="bench/ab.sh: thin bench --reps 1 --pp 16 --tg 16 (reference decode method)"))
+    # bench/profiles.sh: every profile of a model, with its bytes per token and roofline.
+    for r in lines(os.path.join(out, "profiles.jsonl")):
+        rows.append(dict(run_id=run_id, commit=commit, date=date, gpu=gpu, model=r["model"], profile=r["profile"], engine="thin",
+                         decode_tok_s=r["decode_tok_s"], prefill_tok_s=r["prefill_tok_s"], peak_gib=r["peak_gib"],
+                         weight_bytes_per_token=r["weight_bytes_per_token"], copy_gb_s=r["copy_gb_s"],
+                         roofline_tok_s=r["roofline_tok_s"], roofline_pct=r["roofline_pct"],
+                         method="bench/profiles.sh: thin bench --reps 1 --pp 128 --tg 16 (reference decode method)"))
     for mode in ("compiled", "eager"):
         for r in lines(os.path.join(out, f"peer_{mode}.jsonl")):
             if "model" not in r or "tok_s" not in r:
