@@ -5,6 +5,9 @@ interleaved, on each archive given; appends one JSON line per archive and mode t
 
     cargo build --release --features smollm2-135m
     python3 bench/verify_cost.py OUT.jsonl RUNS ARCHIVE.thin [ARCHIVE.thin ...]
+
+On the device machine: THIN_BIN=.bin/thin BACKEND=cuda COMMIT=<hash> MACHINE="H100" (the tree
+there has no .git and the binary is carried).
 """
 import datetime
 import json
@@ -15,17 +18,19 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-THIN = os.path.join(REPO, "target", "release", "thin")
+THIN = os.environ.get("THIN_BIN", os.path.join(REPO, "target", "release", "thin"))
+BACKEND = os.environ.get("BACKEND", "cpu")
 
 
 def main():
     out, runs, archives = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("COMMIT") or subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    machine = os.environ.get("MACHINE", "dev: AMD EPYC (Zen 4), 2 cores, shared")
     env = dict(os.environ, RAYON_NUM_THREADS=os.environ.get("RAYON_NUM_THREADS", "2"))
     rows = []
     for path in archives:
         name = os.path.basename(path)
-        base = [THIN, "run", path, "--backend", "cpu", "--prompt", "The sea is", "--max-tokens", "1", "--format", "jsonl"]
+        base = [THIN, "run", path, "--backend", BACKEND, "--prompt", "The sea is", "--max-tokens", "1", "--format", "jsonl"]
         subprocess.run(base, capture_output=True, env=env)  # the page cache warm for both modes
         load_before = open("/proc/loadavg").read().split()[:3]
         times = {"verify": [], "no-verify": []}
@@ -40,9 +45,9 @@ def main():
         load_after = open("/proc/loadavg").read().split()[:3]
         for mode, v in times.items():
             rows.append({
-                "date": datetime.date.today().isoformat(), "commit": commit, "machine": "dev: AMD EPYC (Zen 4), 2 cores, shared",
+                "date": datetime.date.today().isoformat(), "commit": commit, "machine": machine,
                 "archive": name, "bytes": os.path.getsize(path), "mode": mode, "runs": runs,
-                "command": f"RAYON_NUM_THREADS={env['RAYON_NUM_THREADS']} thin run {name} --backend cpu --prompt 'The sea is' --max-tokens 1 --format jsonl"
+                "command": f"RAYON_NUM_THREADS={env['RAYON_NUM_THREADS']} thin run {name} --backend {BACKEND} --prompt 'The sea is' --max-tokens 1 --format jsonl"
                 + (" --no-verify" if mode == "no-verify" else ""),
                 "wall_s_median": round(statistics.median(v), 4), "wall_s_min": round(min(v), 4), "wall_s_max": round(max(v), 4),
                 "loadavg_before": load_before, "loadavg_after": load_after,

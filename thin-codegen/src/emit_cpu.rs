@@ -245,9 +245,7 @@ fn emit_op_batch(op: &Op, layer: Option<u64>, eps: f32, sl: &mut Slots) -> Token
             let cap = match softcap { Some(c) => { let c = *c as f32; quote!(Some(#c)) } None => quote!(None) };
             quote! {
                 let p = thin_core::cpu::AttnParams { num_heads: consts::NUM_HEADS, num_kv_heads: consts::NUM_KV_HEADS, head_dim: consts::HEAD_DIM, scale: #sc, window: #win, softcap: #cap };
-                for (t, (qr, ar)) in b.q.chunks_exact(consts::Q_DIM).zip(b.att.chunks_exact_mut(consts::Q_DIM)).enumerate() {
-                    thin_core::cpu::attention(qr, &s.k_cache[#l], &s.v_cache[#l], pos + t, p, ar);
-                }
+                thin_core::cpu::attention_prompt(&b.q, &s.k_cache[#l], &s.v_cache[#l], pos, p, &mut b.att);
             }
         }
         Op::ResidualAdd { into, from } => {

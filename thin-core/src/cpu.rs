@@ -720,6 +720,176 @@ pub fn attention(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos: usize, p: Att
     }
 }
 
+/// Positions one transposed key tile holds: a tile is `[head_dim][KEY_TILE]`, so one vector of
+/// [`KEY_TILE`] lanes is one dimension of sixteen keys.
+const KEY_TILE: usize = 16;
+/// Prompt rows one task of [`attention_prompt`] runs for one head.
+const PROMPT_ROWS_PER_TASK: usize = 8;
+
+/// [`attention`] for the `rows = q.len() / q_dim` consecutive prompt rows at positions
+/// `pos0..pos0 + rows` (their keys and values already in the caches), in one pool region over
+/// (head, block of rows) tasks, with the output of each row bit for bit what [`attention`] gives
+/// for it. The keys of each kv head are first transposed into tiles of [`KEY_TILE`] positions, so
+/// the scores of sixteen positions are one vector, each lane summing its dot product in order over
+/// the head dimension from the same neutral element as [`attention_scores`] (separate multiply
+/// and add, never fused): the same bits, many scores at once.
+pub fn attention_prompt(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos0: usize, p: AttnParams, out: &mut [f32]) {
+    let hd = p.head_dim;
+    let (q_dim, kv_dim) = (p.num_heads * hd, p.num_kv_heads * hd);
+    assert!(q_dim > 0 && q.len() % q_dim == 0);
+    assert_eq!(out.len(), q.len());
+    let rows = q.len() / q_dim;
+    let end = pos0 + rows;
+    assert!(k_cache.len() >= end * kv_dim && v_cache.len() >= end * kv_dim);
+    if rows == 0 {
+        return;
+    }
+    // tiles[kvh][b][d][j] = k[position 16 b + j][kvh][d]; positions past `end` are never read.
+    let n_tiles = end.div_ceil(KEY_TILE);
+    let tile = hd * KEY_TILE;
+    let mut tiles = vec![0.0f32; p.num_kv_heads * n_tiles * tile];
+    for (kvh, head_tiles) in tiles.chunks_exact_mut(n_tiles * tile).enumerate() {
+        for t in 0..end {
+            let key = &k_cache[t * kv_dim + kvh * hd..][..hd];
+            let dst = &mut head_tiles[(t / KEY_TILE) * tile + t % KEY_TILE..];
+            for (d, &kd) in key.iter().enumerate() {
+                dst[d * KEY_TILE] = kd;
+            }
+        }
+    }
+    let blocks = rows.div_ceil(PROMPT_ROWS_PER_TASK);
+    let group = p.num_heads / p.num_kv_heads;
+    let shared = SharedOut::new(out);
+    let task = |i: usize| {
+        // The last rows attend to the most positions: their tasks go first.
+        let (h, block) = (i % p.num_heads, blocks - 1 - i / p.num_heads);
+        let kvh = h / group;
+        let head_tiles = &tiles[kvh * n_tiles * tile..(kvh + 1) * n_tiles * tile];
+        let mut scores = Vec::with_capacity(end);
+        for r in block * PROMPT_ROWS_PER_TASK..((block + 1) * PROMPT_ROWS_PER_TASK).min(rows) {
+            let pos = pos0 + r;
+            let start = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let qh = &q[r * q_dim + h * hd..][..hd];
+            // SAFETY: (row r, head h) belongs to this task alone.
+            let o = unsafe { shared.range(r * q_dim + h * hd..r * q_dim + (h + 1) * hd) };
+            prompt_head_row(qh, head_tiles, &v_cache[kvh * hd..], kv_dim, start..pos + 1, p, &mut scores, o);
+        }
+    };
+    pool::for_each_task(p.num_heads * blocks, task);
+}
+
+/// One head of one prompt row: scores from the key tiles, then scale, softcap and softmax as in
+/// [`attention`], then the values summed in position order.
+#[allow(clippy::too_many_arguments)]
+fn prompt_head_row(q: &[f32], tiles: &[f32], v: &[f32], stride: usize, positions: Range<usize>, p: AttnParams, scores: &mut Vec<f32>, o: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if Isa::best() >= Isa::Avx512 {
+        // SAFETY: the CPU runs AVX-512F.
+        return unsafe { prompt_head_row_avx512(q, tiles, v, stride, positions, p, scores, o) };
+    }
+    prompt_head_row_body::<false>(q, tiles, v, stride, positions, p, scores, o)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn prompt_head_row_avx512(q: &[f32], tiles: &[f32], v: &[f32], stride: usize, positions: Range<usize>, p: AttnParams, scores: &mut Vec<f32>, o: &mut [f32]) {
+    prompt_head_row_body::<true>(q, tiles, v, stride, positions, p, scores, o)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn prompt_head_row_body<const AVX512: bool>(q: &[f32], tiles: &[f32], v: &[f32], stride: usize, positions: Range<usize>, p: AttnParams, scores: &mut Vec<f32>, o: &mut [f32]) {
+    let hd = q.len();
+    let tile = hd * KEY_TILE;
+    // Whole tiles from the one holding the first position to the one holding the last.
+    let (first, last) = (positions.start / KEY_TILE, (positions.end - 1) / KEY_TILE);
+    scores.clear();
+    scores.resize((last + 1 - first) * KEY_TILE, 0.0);
+    let tiles = &tiles[first * tile..(last + 1) * tile];
+    #[cfg(target_arch = "x86_64")]
+    if AVX512 {
+        // SAFETY: instantiated with AVX512 = true only inside `prompt_head_row_avx512`.
+        unsafe { tile_scores_avx512(q, tiles, scores) };
+    } else {
+        tile_scores(q, tiles, scores);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    tile_scores(q, tiles, scores);
+    let skip = positions.start - first * KEY_TILE;
+    let scores = &mut scores[skip..skip + positions.len()];
+    scores.iter_mut().for_each(|s| *s *= p.scale);
+    if let Some(cap) = p.softcap {
+        softcap(scores, cap);
+    }
+    softmax(scores);
+    o.iter_mut().for_each(|x| *x = 0.0);
+    for (s, t) in scores.iter().zip(positions) {
+        let vt = &v[t * stride..t * stride + hd];
+        for (oi, vi) in o.iter_mut().zip(vt) {
+            *oi += s * vi;
+        }
+    }
+}
+
+/// `out[16 b + j] = q . key j of tile b`, each summed in order over the head dimension from the
+/// neutral element of `Iterator::sum`, a multiply and an add per term (the bits of
+/// [`attention_scores`]).
+fn tile_scores(q: &[f32], tiles: &[f32], out: &mut [f32]) {
+    let zero: f32 = std::iter::empty::<f32>().sum();
+    for (t, acc) in tiles.chunks_exact(q.len() * KEY_TILE).zip(out.chunks_exact_mut(KEY_TILE)) {
+        acc.iter_mut().for_each(|a| *a = zero);
+        for (&qd, kd) in q.iter().zip(t.chunks_exact(KEY_TILE)) {
+            for (a, &k) in acc.iter_mut().zip(kd) {
+                *a += qd * k;
+            }
+        }
+    }
+}
+
+/// [`tile_scores`] with one 16-lane vector per tile, four tiles side by side (independent add
+/// chains); `_mm512_mul_ps` then `_mm512_add_ps`, never fused, so each lane has the same bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_scores_avx512(q: &[f32], tiles: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    const _: () = assert!(KEY_TILE == 16);
+    let hd = q.len();
+    let tile = hd * KEY_TILE;
+    let n = out.len() / KEY_TILE;
+    assert!(tiles.len() >= n * tile);
+    let zero = _mm512_set1_ps(std::iter::empty::<f32>().sum());
+    let (t, o) = (tiles.as_ptr(), out.as_mut_ptr());
+    let mut b = 0;
+    // SAFETY: tile b + i spans t[(b + i) * tile..][..tile], in bounds for b + i < n (asserted), and
+    // out[(b + i) * 16..][..16] likewise.
+    unsafe {
+        while b + 4 <= n {
+            let (mut a0, mut a1, mut a2, mut a3) = (zero, zero, zero, zero);
+            for (d, &qd) in q.iter().enumerate() {
+                let qv = _mm512_set1_ps(qd);
+                let k = t.add(b * tile + d * KEY_TILE);
+                a0 = _mm512_add_ps(a0, _mm512_mul_ps(qv, _mm512_loadu_ps(k)));
+                a1 = _mm512_add_ps(a1, _mm512_mul_ps(qv, _mm512_loadu_ps(k.add(tile))));
+                a2 = _mm512_add_ps(a2, _mm512_mul_ps(qv, _mm512_loadu_ps(k.add(2 * tile))));
+                a3 = _mm512_add_ps(a3, _mm512_mul_ps(qv, _mm512_loadu_ps(k.add(3 * tile))));
+            }
+            for (i, a) in [a0, a1, a2, a3].into_iter().enumerate() {
+                _mm512_storeu_ps(o.add((b + i) * KEY_TILE), a);
+            }
+            b += 4;
+        }
+        while b < n {
+            let mut a = zero;
+            for (d, &qd) in q.iter().enumerate() {
+                a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_set1_ps(qd), _mm512_loadu_ps(t.add(b * tile + d * KEY_TILE))));
+            }
+            _mm512_storeu_ps(o.add(b * KEY_TILE), a);
+            b += 1;
+        }
+    }
+}
+
 /// Positions whose scores [`attention_scores`] sums side by side: independent add chains, where
 /// one dot product alone waits on each add.
 const SCORE_POSITIONS: usize = 8;
@@ -1128,6 +1298,60 @@ mod tests {
         let mut r = [1.0, 2.0];
         residual_add(&mut r, &[0.5, -2.0]);
         close(&r, &[1.5, 0.0], 0.0);
+    }
+
+    #[test]
+    fn prompt_attention_equals_row_by_row_bit_for_bit() {
+        // Shapes: SmolLM2-like GQA (9 heads on 3), a window that cuts inside tiles, a softcap,
+        // prompts that start after cached positions and row counts off the tile and task sizes.
+        let cases = [
+            (9usize, 3usize, 64usize, 0usize, 37usize, None, None),
+            (4, 1, 24, 21, 13, Some(5usize), None),
+            (2, 2, 8, 3, 70, Some(40), Some(50.0f32)),
+            (4, 2, 16, 0, 1, None, None),
+        ];
+        for (heads, kv_heads, hd, pos0, rows, window, softcap) in cases {
+            let p = AttnParams { num_heads: heads, num_kv_heads: kv_heads, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), window, softcap };
+            let (q_dim, kv_dim, end) = (heads * hd, kv_heads * hd, pos0 + rows);
+            let noise = |n: usize, seed: usize| -> Vec<f32> { (0..n).map(|i| (((i * 7919 + seed * 104_729) % 2003) as f32 - 1001.0) / 300.0).collect() };
+            let q = noise(rows * q_dim, 1);
+            // Caches longer than the filled part, as the engine's are.
+            let (k, v) = (noise((end + 5) * kv_dim, 2), noise((end + 5) * kv_dim, 3));
+            let mut got = vec![f32::NAN; rows * q_dim];
+            attention_prompt(&q, &k, &v, pos0, p, &mut got);
+            for r in 0..rows {
+                let mut want = vec![0.0; q_dim];
+                attention(&q[r * q_dim..(r + 1) * q_dim], &k, &v, pos0 + r, p, &mut want);
+                let g = &got[r * q_dim..(r + 1) * q_dim];
+                assert_eq!(g.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "row {r} of {heads}/{kv_heads} heads, hd {hd}, pos0 {pos0}");
+            }
+        }
+    }
+
+    #[test]
+    fn tile_scores_portable_and_avx512_equal_one_dot_at_a_time() {
+        // Five tiles (four side by side, one alone), head_dim 24.
+        let hd = 24;
+        let n = 5 * KEY_TILE;
+        let q: Vec<f32> = (0..hd).map(|i| ((i * 37 % 29) as f32 - 14.0) / 7.0).collect();
+        let keys: Vec<f32> = (0..n * hd).map(|i| ((i * 7919 % 1009) as f32 - 504.0) / 91.0).collect();
+        let mut tiles = vec![0.0; n * hd];
+        for t in 0..n {
+            for d in 0..hd {
+                tiles[(t / KEY_TILE) * hd * KEY_TILE + d * KEY_TILE + t % KEY_TILE] = keys[t * hd + d];
+            }
+        }
+        let want: Vec<u32> = (0..n).map(|t| q.iter().zip(&keys[t * hd..(t + 1) * hd]).map(|(a, b)| a * b).sum::<f32>().to_bits()).collect();
+        let mut got = vec![0.0; n];
+        tile_scores(&q, &tiles, &mut got);
+        assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want);
+        #[cfg(target_arch = "x86_64")]
+        if Isa::best() >= Isa::Avx512 {
+            let mut got = vec![0.0; n];
+            // SAFETY: the CPU runs AVX-512F.
+            unsafe { tile_scores_avx512(&q, &tiles, &mut got) };
+            assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want);
+        }
     }
 
     #[test]
