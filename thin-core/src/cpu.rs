@@ -823,11 +823,44 @@ fn prompt_head_row_body<const AVX512: bool>(q: &[f32], tiles: &[f32], v: &[f32],
         softcap(scores, cap);
     }
     softmax(scores);
+    #[cfg(target_arch = "x86_64")]
+    if AVX512 {
+        // SAFETY: as above.
+        return unsafe { weighted_values_avx512(scores, v, stride, positions.start, o) };
+    }
     o.iter_mut().for_each(|x| *x = 0.0);
     for (s, t) in scores.iter().zip(positions) {
         let vt = &v[t * stride..t * stride + hd];
         for (oi, vi) in o.iter_mut().zip(vt) {
             *oi += s * vi;
+        }
+    }
+}
+
+/// `o = sum_t w[t] v_(start + t)` with `v_t = v[t * stride..][..o.len()]`, each output summed in
+/// position order from +0.0, a multiply and an add per term (the bits of [`attention`]'s loop), 64
+/// outputs at a time held in four registers across all positions (masked at the head's end).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn weighted_values_avx512(w: &[f32], v: &[f32], stride: usize, start: usize, o: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let hd = o.len();
+    assert!(w.is_empty() || v.len() >= (start + w.len() - 1) * stride + hd);
+    let lanes = |c: usize| -> __mmask16 { if c >= hd { 0 } else if hd - c >= 16 { 0xffff } else { (1u16 << (hd - c)) - 1 } };
+    for c in (0..hd).step_by(64) {
+        let m = [lanes(c), lanes(c + 16), lanes(c + 32), lanes(c + 48)];
+        let mut acc = [_mm512_setzero_ps(); 4];
+        for (i, &wt) in w.iter().enumerate() {
+            let s = _mm512_set1_ps(wt);
+            let row = v.as_ptr().wrapping_add((start + i) * stride + c);
+            for (j, a) in acc.iter_mut().enumerate() {
+                // SAFETY: masked lanes are not read; the rest lie in v_t[c..hd], in bounds (asserted).
+                *a = _mm512_add_ps(*a, _mm512_mul_ps(s, unsafe { _mm512_maskz_loadu_ps(m[j], row.wrapping_add(16 * j)) }));
+            }
+        }
+        for (j, a) in acc.into_iter().enumerate() {
+            // SAFETY: only lanes inside o[c..hd] are written.
+            unsafe { _mm512_mask_storeu_ps(o.as_mut_ptr().wrapping_add(c + 16 * j), m[j], a) };
         }
     }
 }
