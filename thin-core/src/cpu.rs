@@ -702,13 +702,7 @@ pub fn attention(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos: usize, p: Att
             softcap(&mut scores, cap);
         }
         softmax(&mut scores);
-        o.iter_mut().for_each(|v| *v = 0.0);
-        for (s, t) in scores.iter().zip(start..=pos) {
-            let v = &v_cache[t * kv_dim + kvh * hd..t * kv_dim + (kvh + 1) * hd];
-            for (oi, vi) in o.iter_mut().zip(v) {
-                *oi += s * vi;
-            }
-        }
+        weighted_values(&scores, &v_cache[kvh * hd..], kv_dim, start, o);
     };
     // Heads are independent: parallel once there is enough work to pay for a pool region.
     if p.num_heads * (pos + 1 - start) * hd >= MIN_TASK_ELEMS {
@@ -823,23 +817,29 @@ fn prompt_head_row_body<const AVX512: bool>(q: &[f32], tiles: &[f32], v: &[f32],
         softcap(scores, cap);
     }
     softmax(scores);
+    weighted_values(scores, v, stride, positions.start, o);
+}
+
+/// `o = sum_t w[t] v_(start + t)` with `v_t = v[t * stride..][..o.len()]`, each output summed in
+/// position order from +0.0, a multiply and an add per term.
+fn weighted_values(w: &[f32], v: &[f32], stride: usize, start: usize, o: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if AVX512 {
-        // SAFETY: as above.
-        return unsafe { weighted_values_avx512(scores, v, stride, positions.start, o) };
+    if Isa::best() >= Isa::Avx512 {
+        // SAFETY: the CPU runs AVX-512F.
+        return unsafe { weighted_values_avx512(w, v, stride, start, o) };
     }
+    let hd = o.len();
     o.iter_mut().for_each(|x| *x = 0.0);
-    for (s, t) in scores.iter().zip(positions) {
-        let vt = &v[t * stride..t * stride + hd];
+    for (i, s) in w.iter().enumerate() {
+        let vt = &v[(start + i) * stride..][..hd];
         for (oi, vi) in o.iter_mut().zip(vt) {
             *oi += s * vi;
         }
     }
 }
 
-/// `o = sum_t w[t] v_(start + t)` with `v_t = v[t * stride..][..o.len()]`, each output summed in
-/// position order from +0.0, a multiply and an add per term (the bits of [`attention`]'s loop), 64
-/// outputs at a time held in four registers across all positions (masked at the head's end).
+/// [`weighted_values`], 64 outputs at a time held in four registers across all positions (masked
+/// at the head's end), so each lane sums in the same order with the same operations.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn weighted_values_avx512(w: &[f32], v: &[f32], stride: usize, start: usize, o: &mut [f32]) {
@@ -1384,6 +1384,25 @@ mod tests {
             // SAFETY: the CPU runs AVX-512F.
             unsafe { tile_scores_avx512(&q, &tiles, &mut got) };
             assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want);
+        }
+    }
+
+    #[test]
+    fn weighted_values_equal_the_scalar_sum_bit_for_bit() {
+        // Head sizes below, at and past one vector and the four-register block, rows of stride 100.
+        for (hd, start, n) in [(8usize, 0usize, 5usize), (24, 3, 17), (64, 1, 40), (80, 0, 9), (100, 2, 1)] {
+            let stride = 100;
+            let w: Vec<f32> = (0..n).map(|i| ((i * 37 % 29) as f32 + 1.0) / 30.0).collect();
+            let v: Vec<f32> = (0..(start + n) * stride).map(|i| ((i * 7919 % 1009) as f32 - 504.0) / 91.0).collect();
+            let mut want = vec![0.0f32; hd];
+            for (i, &s) in w.iter().enumerate() {
+                for (o, &x) in want.iter_mut().zip(&v[(start + i) * stride..]) {
+                    *o += s * x;
+                }
+            }
+            let mut got = vec![f32::NAN; hd];
+            weighted_values(&w, &v, stride, start, &mut got);
+            assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "hd {hd}");
         }
     }
 
