@@ -828,6 +828,10 @@ fn weighted_values(w: &[f32], v: &[f32], stride: usize, start: usize, o: &mut [f
         // SAFETY: the CPU runs AVX-512F.
         return unsafe { weighted_values_avx512(w, v, stride, start, o) };
     }
+    weighted_values_portable(w, v, stride, start, o)
+}
+
+fn weighted_values_portable(w: &[f32], v: &[f32], stride: usize, start: usize, o: &mut [f32]) {
     let hd = o.len();
     o.iter_mut().for_each(|x| *x = 0.0);
     for (i, s) in w.iter().enumerate() {
@@ -1400,9 +1404,12 @@ mod tests {
                     *o += s * x;
                 }
             }
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             let mut got = vec![f32::NAN; hd];
             weighted_values(&w, &v, stride, start, &mut got);
-            assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "hd {hd}");
+            assert_eq!(bits(&got), bits(&want), "hd {hd}");
+            weighted_values_portable(&w, &v, stride, start, &mut got);
+            assert_eq!(bits(&got), bits(&want), "portable, hd {hd}");
         }
     }
 
