@@ -422,7 +422,7 @@ mod gemm_bf16dot {
 
 /// `outs[t][r - row0] = w[r, :] . x[t, :]` for rows `row0 .. row0 + outs[t].len()` of `w` and every
 /// token row of `x` (`[outs.len(), n_in]`): the bits [`rows_of`] gives token by token, register-tiled
-/// where a kernel exists (bf16 and Q8_0 on AVX-512), else token by token.
+/// where a kernel exists (bf16, Q8_0 and FP8 on AVX-512), else token by token.
 fn rows_of_tokens(w: WeightView<'_>, x: &[f32], n_in: usize, row0: usize, outs: &mut [&mut [f32]]) {
     let rows = outs.first().map_or(0, |o| o.len());
     match (w.rows(row0, row0 + rows, n_in), Isa::best().clamp()) {
@@ -431,6 +431,9 @@ fn rows_of_tokens(w: WeightView<'_>, x: &[f32], n_in: usize, row0: usize, outs: 
         (WeightView::Bf16(wb), Isa::Avx512) => return unsafe { gemm512::gemm_bf16(wb, x, n_in, outs) },
         (WeightView::Q8_0 { blocks, .. }, _) => {
             return codecs::q8_0::matmul_rows(blocks, x, n_in, outs).expect("a view's rows were checked when it was made")
+        }
+        (WeightView::F8E4m3 { values, scales, .. }, _) => {
+            return codecs::fp8::matmul_rows(values, scales, x, n_in, outs).expect("a view's rows were checked when it was made")
         }
         _ => {}
     }

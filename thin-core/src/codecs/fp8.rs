@@ -301,6 +301,81 @@ mod avx512 {
         }
     }
 
+    const TILE_ROWS: usize = 4;
+    const TILE_TOKENS: usize = 4;
+
+    /// `outs[t][r]` for every row in `values` and token in `x`, in tiles of 4 rows x 4 tokens.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
+    pub fn tiles(values: &[u8], scales: &[f32], x: &[f32], cols: usize, outs: &mut [&mut [f32]]) {
+        let (rows, tokens) = (outs.first().map_or(0, |o| o.len()), outs.len());
+        let mut r = 0;
+        while r < rows {
+            let nr = if r + TILE_ROWS <= rows { TILE_ROWS } else { 1 };
+            let mut t = 0;
+            while t < tokens {
+                let nt = if t + TILE_TOKENS <= tokens { TILE_TOKENS } else { 1 };
+                let (v, s, xt) = (&values[r * cols..(r + nr) * cols], &scales[r..r + nr], &x[t * cols..(t + nt) * cols]);
+                let outs = &mut outs[t..t + nt];
+                match (nr, nt) {
+                    (TILE_ROWS, TILE_TOKENS) => tile::<TILE_ROWS, TILE_TOKENS>(v, s, xt, cols, outs, r),
+                    (TILE_ROWS, _) => tile::<TILE_ROWS, 1>(v, s, xt, cols, outs, r),
+                    (_, TILE_TOKENS) => tile::<1, TILE_TOKENS>(v, s, xt, cols, outs, r),
+                    _ => tile::<1, 1>(v, s, xt, cols, outs, r),
+                }
+                t += nt;
+            }
+            r += nr;
+        }
+    }
+
+    /// `outs[t][r0 + n]` for the `R` rows in `values` and the `T` tokens in `x`: [`group`]'s
+    /// operations per (row, token), each chunk's codes decoded once per tile.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
+    fn tile<const R: usize, const T: usize>(values: &[u8], scales: &[f32], x: &[f32], cols: usize, outs: &mut [&mut [f32]], r0: usize) {
+        let body = cols / CHUNK * CHUNK;
+        assert!(values.len() == R * cols && scales.len() == R && x.len() == T * cols && outs.len() == T);
+        let sign = _mm256_set1_epi16(0xBF80u16 as i16);
+        let m7f = _mm256_set1_epi8(0x7F);
+        let mut acc = [[[_mm512_setzero_ps(); 2]; R]; T];
+        let mut nan = [0u32; R];
+        let mut i = 0;
+        while i < body {
+            let mut w = [[_mm512_setzero_ps(); 2]; R];
+            for (n, w) in w.iter_mut().enumerate() {
+                // SAFETY: n * cols + i + 32 <= values.len() (asserted shape); unaligned loads.
+                let p = unsafe { values.as_ptr().add(n * cols + i) };
+                // SAFETY: as above.
+                let raw = unsafe { _mm256_loadu_si256(p as *const __m256i) };
+                nan[n] |= _mm256_cmpeq_epi8_mask(_mm256_and_si256(raw, m7f), m7f);
+                for (h, w) in w.iter_mut().enumerate() {
+                    // SAFETY: as above.
+                    let c = _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(p.add(16 * h) as *const __m128i) });
+                    *w = _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16::<7>(c), sign));
+                }
+            }
+            for (t, a) in acc.iter_mut().enumerate() {
+                // SAFETY: t * cols + i + 32 <= x.len() (asserted shape); unaligned loads.
+                let xs = unsafe { [_mm512_loadu_ps(x.as_ptr().add(t * cols + i)), _mm512_loadu_ps(x.as_ptr().add(t * cols + i + 16))] };
+                for (a, w) in a.iter_mut().zip(&w) {
+                    for h in 0..2 {
+                        a[h] = _mm512_add_ps(a[h], _mm512_mul_ps(w[h], xs[h]));
+                    }
+                }
+            }
+            i += CHUNK;
+        }
+        for (t, (a, o)) in acc.iter().zip(outs.iter_mut()).enumerate() {
+            let xt = &x[t * cols..(t + 1) * cols];
+            for (n, a) in a.iter().enumerate() {
+                let row = &values[n * cols..(n + 1) * cols];
+                let sum = sum16_512(_mm512_add_ps(a[0], a[1]));
+                let dot = if nan[n] != 0 { f32::NAN } else { (sum + tail(&row[body..], &xt[body..])) * 256.0 };
+                o[r0 + n] = dot * scales[n];
+            }
+        }
+    }
+
     /// `out[i]` for the `N` rows in `values`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
@@ -370,6 +445,44 @@ pub fn matvec_rows_on(isa: Isa, values: &[u8], scales: &[f32], x: &[f32], out: &
     Ok(())
 }
 
+/// Prefill: `outs[t][r]` = row `r`'s dot with token `t` of `x` (`[outs.len(), cols]` row-major), for
+/// the rows of `values`/`scales` (`outs[t].len()` each): what [`matvec_rows`] gives token by token,
+/// bit for bit, register-tiled on AVX-512 (4 rows x 4 tokens: each chunk's codes decoded once for
+/// 4 tokens).
+pub fn matmul_rows(values: &[u8], scales: &[f32], x: &[f32], cols: usize, outs: &mut [&mut [f32]]) -> Result<(), CodecError> {
+    matmul_rows_on(Isa::best(), values, scales, x, cols, outs)
+}
+
+/// [`matmul_rows`] on the kernels of `isa` (or the best this CPU runs below it).
+pub fn matmul_rows_on(isa: Isa, values: &[u8], scales: &[f32], x: &[f32], cols: usize, outs: &mut [&mut [f32]]) -> Result<(), CodecError> {
+    let rows = outs.first().map_or(0, |o| o.len());
+    check_len(NAME, "x", elems(NAME, outs.len(), cols)?, x.len())?;
+    check_len(NAME, "scales", rows, scales.len())?;
+    check_len(NAME, "values", elems(NAME, rows, cols)?, values.len())?;
+    for o in outs.iter() {
+        check_len(NAME, "outputs", rows, o.len())?;
+    }
+    check_scales(scales)?;
+    match isa.clamp() {
+        // SAFETY: `clamp` returns a level this CPU runs.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if cols > 0 => unsafe { avx512::tiles(values, scales, x, cols, outs) },
+        _ => {
+            for (xt, o) in x.chunks_exact(cols.max(1)).zip(outs.iter_mut()) {
+                rows_dispatch(isa, values, scales, xt, o);
+            }
+        }
+    }
+    for o in outs.iter() {
+        for (r, v) in o.iter().enumerate() {
+            if !v.is_finite() {
+                check_values(&values[r * cols..(r + 1) * cols], r * cols)?;
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -384,6 +497,35 @@ mod tests {
         }
         let v = if e == 0 { m / 8.0 * 2f64.powi(-6) } else { (1.0 + m / 8.0) * 2f64.powi(e - 7) };
         (s * v) as f32
+    }
+
+    #[test]
+    fn matmul_tiles_equal_token_by_token_matvec_bit_for_bit() {
+        // 6 rows (a 4-row tile and 2 single rows) x 100 columns (3 chunks and a tail of 4), 6
+        // tokens (a 4-token tile and 2).
+        let (rows, cols, tokens) = (6usize, 100usize, 6usize);
+        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 211) as f32 - 105.0) / 17.0).collect();
+        let (mut values, mut scales) = (vec![0u8; rows * cols], vec![0.0f32; rows]);
+        quantize(&w, cols, &mut values, &mut scales).unwrap();
+        let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 104729 % 97) as f32 - 48.0) / 9.0).collect();
+        let mut want = vec![0.0; tokens * rows];
+        for (xt, o) in x.chunks_exact(cols).zip(want.chunks_exact_mut(rows)) {
+            matvec_rows_on(Isa::Portable, &values, &scales, xt, o).unwrap();
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for isa in Isa::supported() {
+            let mut got = vec![0.0; tokens * rows];
+            let mut outs: Vec<&mut [f32]> = got.chunks_exact_mut(rows).collect();
+            matmul_rows_on(isa, &values, &scales, &x, cols, &mut outs).unwrap();
+            assert_eq!(bits(&got), bits(&want), "{isa:?}");
+        }
+        // A NaN code is named, as matvec_rows names it.
+        values[4 * cols + 7] = 0x7F;
+        let mut got = vec![0.0; tokens * rows];
+        let mut outs: Vec<&mut [f32]> = got.chunks_exact_mut(rows).collect();
+        let e = matmul_rows(&values, &scales, &x, cols, &mut outs).unwrap_err();
+        let mut one = vec![0.0; rows];
+        assert_eq!(e, matvec_rows(&values, &scales, &x[..cols], &mut one).unwrap_err());
     }
 
     #[test]
