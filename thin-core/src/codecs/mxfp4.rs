@@ -410,6 +410,70 @@ mod avx512 {
         }
     }
 
+    const TILE_ROWS: usize = 4;
+    const TILE_TOKENS: usize = 4;
+
+    /// `outs[t][r]` for every row in `values`/`scales` and token in `x`, in tiles of 4 rows x 4
+    /// tokens (no postscale).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+    pub fn tiles(values: &[u8], scales: &[u8], x: &[f32], cols: usize, outs: &mut [&mut [f32]]) {
+        let nb = cols / BLOCK;
+        let (rows, tokens) = (outs.first().map_or(0, |o| o.len()), outs.len());
+        let mut r = 0;
+        while r < rows {
+            let nr = if r + TILE_ROWS <= rows { TILE_ROWS } else { 1 };
+            let mut t = 0;
+            while t < tokens {
+                let nt = if t + TILE_TOKENS <= tokens { TILE_TOKENS } else { 1 };
+                let (v, s, xt) = (&values[r * nb * 16..(r + nr) * nb * 16], &scales[r * nb..(r + nr) * nb], &x[t * cols..(t + nt) * cols]);
+                let outs = &mut outs[t..t + nt];
+                match (nr, nt) {
+                    (TILE_ROWS, TILE_TOKENS) => tile::<TILE_ROWS, TILE_TOKENS>(v, s, xt, cols, outs, r),
+                    (TILE_ROWS, _) => tile::<TILE_ROWS, 1>(v, s, xt, cols, outs, r),
+                    (_, TILE_TOKENS) => tile::<1, TILE_TOKENS>(v, s, xt, cols, outs, r),
+                    _ => tile::<1, 1>(v, s, xt, cols, outs, r),
+                }
+                t += nt;
+            }
+            r += nr;
+        }
+    }
+
+    /// `outs[t][r0 + n]` for the `R` rows and the `T` tokens: [`group`]'s operations per (row,
+    /// token), each block's codes and scale decoded once per tile, each token's even/odd split once.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+    fn tile<const R: usize, const T: usize>(values: &[u8], scales: &[u8], x: &[f32], cols: usize, outs: &mut [&mut [f32]], r0: usize) {
+        let nb = cols / BLOCK;
+        assert!(values.len() == R * nb * 16 && scales.len() == R * nb && x.len() == T * cols && outs.len() == T);
+        let table = _mm512_setr_ps(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0);
+        let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        let odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+        let mut acc = [[_mm512_setzero_ps(); R]; T];
+        for b in 0..nb {
+            let mut w = [[_mm512_setzero_ps(); 3]; R];
+            for (n, w) in w.iter_mut().enumerate() {
+                // SAFETY: (n * nb + b) * 16 + 16 <= values.len() (asserted shape); unaligned load.
+                let q = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(values.as_ptr().add((n * nb + b) * 16) as *const __m128i)) };
+                *w = [_mm512_permutexvar_ps(q, table), _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), table), _mm512_set1_ps(decode_e8m0(scales[n * nb + b]))];
+            }
+            for (t, a) in acc.iter_mut().enumerate() {
+                // SAFETY: t * cols + 32b + 32 <= x.len() (asserted shape); unaligned loads.
+                let (xa, xb) = unsafe { (_mm512_loadu_ps(x.as_ptr().add(t * cols + BLOCK * b)), _mm512_loadu_ps(x.as_ptr().add(t * cols + BLOCK * b + 16))) };
+                let (xe, xo) = (_mm512_permutex2var_ps(xa, even, xb), _mm512_permutex2var_ps(xa, odd, xb));
+                for (a, [lo, hi, sc]) in a.iter_mut().zip(&w) {
+                    let t = _mm512_add_ps(_mm512_mul_ps(*lo, xe), _mm512_mul_ps(*hi, xo));
+                    *a = _mm512_add_ps(*a, _mm512_mul_ps(t, *sc));
+                }
+            }
+        }
+        for (a, o) in acc.iter().zip(outs.iter_mut()) {
+            for (n, &a) in a.iter().enumerate() {
+                o[r0 + n] = sum16_512(a);
+            }
+        }
+    }
+
     /// `out[i]` for the `N` rows in `values` and `scales`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
@@ -486,6 +550,58 @@ pub fn matvec_rows_on(
     Ok(())
 }
 
+/// Prefill: `outs[t][r]` = row `r`'s dot with token `t` of `x` (`[outs.len(), cols]` row-major),
+/// times `postscale[r]` when given: what [`matvec_rows`] gives token by token, bit for bit,
+/// register-tiled on AVX-512 (4 rows x 4 tokens: each block decoded once for 4 tokens).
+pub fn matmul_rows(values: &[u8], scales: &[u8], postscale: Option<&[bf16]>, x: &[f32], cols: usize, outs: &mut [&mut [f32]]) -> Result<(), CodecError> {
+    matmul_rows_on(Isa::best(), values, scales, postscale, x, cols, outs)
+}
+
+/// [`matmul_rows`] on the kernels of `isa` (or the best this CPU runs below it).
+pub fn matmul_rows_on(
+    isa: Isa,
+    values: &[u8],
+    scales: &[u8],
+    postscale: Option<&[bf16]>,
+    x: &[f32],
+    cols: usize,
+    outs: &mut [&mut [f32]],
+) -> Result<(), CodecError> {
+    let rows = outs.first().map_or(0, |o| o.len());
+    check_shape(rows, cols, values.len(), scales.len(), postscale.map(<[bf16]>::len))?;
+    check_len(NAME, "x", elems(NAME, outs.len(), cols)?, x.len())?;
+    for o in outs.iter() {
+        check_len(NAME, "outputs", rows, o.len())?;
+    }
+    if let Some(p) = postscale {
+        check_postscales(p)?;
+    }
+    match isa.clamp() {
+        // SAFETY: `clamp` returns a level this CPU runs.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if cols > 0 => unsafe { avx512::tiles(values, scales, x, cols, outs) },
+        _ => {
+            for (xt, o) in x.chunks_exact(cols.max(1)).zip(outs.iter_mut()) {
+                rows_dispatch(isa, values, scales, xt, o);
+            }
+        }
+    }
+    let per_row = cols / BLOCK;
+    for o in outs.iter_mut() {
+        if let Some(p) = postscale {
+            for (o, p) in o.iter_mut().zip(p) {
+                *o *= p.to_f32();
+            }
+        }
+        for (r, v) in o.iter().enumerate() {
+            if !v.is_finite() {
+                check_scales(&scales[r * per_row..(r + 1) * per_row], r * per_row)?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Repacks ggml `block_mxfp4` blocks (`e`, then `qs[16]`: element `j` low nibble of `qs[j]`,
 /// `j + 16` high nibble) into this module's split layout; `values.len() * 2 == 32 * blocks`.
 pub fn from_ggml_blocks(blocks: &[u8], values: &mut [u8], scales: &mut [u8]) -> Result<(), CodecError> {
@@ -520,6 +636,37 @@ mod tests {
     use super::*;
 
     const E2M1: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+
+    #[test]
+    fn matmul_tiles_equal_token_by_token_matvec_bit_for_bit() {
+        // 6 rows (a 4-row tile and 2 single rows) x 96 columns, 6 tokens (a 4-token tile and 2),
+        // with and without a postscale.
+        let (rows, cols, tokens) = (6usize, 96usize, 6usize);
+        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 211) as f32 - 105.0) / 17.0).collect();
+        let (mut values, mut scales, mut post) = (vec![0u8; rows * cols / 2], vec![0u8; rows * cols / BLOCK], vec![bf16::ONE; rows]);
+        quantize_with_postscale(&w, cols, &mut values, &mut scales, &mut post).unwrap();
+        let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 104729 % 97) as f32 - 48.0) / 9.0).collect();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for ps in [None, Some(&post[..])] {
+            let mut want = vec![0.0; tokens * rows];
+            for (xt, o) in x.chunks_exact(cols).zip(want.chunks_exact_mut(rows)) {
+                matvec_rows_on(Isa::Portable, &values, &scales, ps, xt, o).unwrap();
+            }
+            for isa in Isa::supported() {
+                let mut got = vec![0.0; tokens * rows];
+                let mut outs: Vec<&mut [f32]> = got.chunks_exact_mut(rows).collect();
+                matmul_rows_on(isa, &values, &scales, ps, &x, cols, &mut outs).unwrap();
+                assert_eq!(bits(&got), bits(&want), "{isa:?}, postscale {}", ps.is_some());
+            }
+        }
+        // A NaN scale is named, as matvec_rows names it.
+        scales[4 * cols / BLOCK + 1] = 0xFF;
+        let mut got = vec![0.0; tokens * rows];
+        let mut outs: Vec<&mut [f32]> = got.chunks_exact_mut(rows).collect();
+        let e = matmul_rows(&values, &scales, None, &x, cols, &mut outs).unwrap_err();
+        let mut one = vec![0.0; rows];
+        assert_eq!(e, matvec_rows(&values, &scales, None, &x[..cols], &mut one).unwrap_err());
+    }
 
     #[test]
     fn every_e2m1_code() {
