@@ -350,7 +350,12 @@ mod tests {
     #[test]
     fn workers_park_and_wake() {
         let mut pool = Pool::new(2).expect("pool");
-        std::thread::sleep(SPIN * 5);
+        // It parks SPIN after it last had work; on a loaded machine the thread may first wait for
+        // a core, so poll (up to a second) instead of sleeping a fixed multiple of SPIN.
+        let deadline = std::time::Instant::now() + Duration::from_secs(1);
+        while !pool.shared.parked[0].load(SeqCst) && std::time::Instant::now() < deadline {
+            std::thread::sleep(SPIN);
+        }
         assert!(pool.shared.parked[0].load(SeqCst), "an idle worker parks after spinning");
         let n = AtomicU32::new(0);
         pool.region(4, &|_| {
