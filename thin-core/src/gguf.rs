@@ -213,6 +213,8 @@ pub fn dtype_from_ggml(t: u32) -> Option<SourceDType> {
         1 => SourceDType::F16,
         2 => SourceDType::Q4_0,
         3 => SourceDType::Q4_1,
+        6 => SourceDType::Q5_0,
+        7 => SourceDType::Q5_1,
         8 => SourceDType::Q8_0,
         12 => SourceDType::Q4K,
         13 => SourceDType::Q5K,
