@@ -98,7 +98,7 @@ pub enum GgufError {
     Unbacked { key: String, declared: u64, present: u64, what: &'static str },
     #[error("unsupported architecture {0:?} (llama, smollm3, gemma3, olmoe are supported)")]
     UnsupportedArch(String),
-    #[error("unsupported tokenizer model {0:?} (only \"gpt2\" byte-level BPE is supported)")]
+    #[error("unsupported tokenizer model {0:?} (\"gpt2\" byte-level BPE and \"llama\" SentencePiece are supported)")]
     UnsupportedTokenizer(String),
     #[error("building tokenizer.json: {0}")]
     TokenizerJson(String),
