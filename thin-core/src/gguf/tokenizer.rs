@@ -27,6 +27,10 @@ const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 const TOKEN_TYPE_BYTE: i64 = 6;
 
+/// Bytes hashed while deriving SentencePiece merges (the sum of every token's length squared):
+/// Gemma 3's 262,144 tokens take 26.5M; a vocabulary of huge tokens is refused before the work.
+pub const MAX_SENTENCEPIECE_MERGE_WORK: u64 = 1 << 30;
+
 fn string_array<'m>(meta: &'m BTreeMap<String, GgufValue>, key: &str) -> Result<Option<Vec<&'m str>>, GgufError> {
     match meta.get(key) {
         None => Ok(None),
@@ -244,6 +248,15 @@ fn sentencepiece_bpe(
             });
         }
     }
+    let work = tokens.iter().fold(0u64, |w, t| w.saturating_add((t.len() as u64).saturating_mul(t.len() as u64)));
+    if work > MAX_SENTENCEPIECE_MERGE_WORK {
+        return Err(GgufError::BadValue {
+            key: "tokenizer.ggml.tokens".into(),
+            reason: format!(
+                "deriving merges from these tokens would hash {work} bytes (their lengths squared), more than {MAX_SENTENCEPIECE_MERGE_WORK}"
+            ),
+        });
+    }
     // llama.cpp merges two pieces whenever their concatenation is any token of the vocabulary
     // (user-defined "▁▁" included; the last token of a repeated text wins, as in its map).
     let by_text: HashMap<&str, usize> = tokens.iter().enumerate().map(|(i, t)| (*t, i)).collect();
@@ -427,6 +440,11 @@ mod tests {
             t[6 + 0x41] = GgufValue::String("A".into());
         }
         assert!(matches!(tokenizer_from_gguf(&m), Err(GgufError::BadValue { reason, .. }) if reason.contains("<0x41>")));
+        let mut m = spm_meta();
+        if let Some(GgufValue::Array(t)) = m.get_mut("tokenizer.ggml.tokens") {
+            t[272] = GgufValue::String("a".repeat(40_000));
+        }
+        assert!(matches!(tokenizer_from_gguf(&m), Err(GgufError::BadValue { key, reason }) if key == "tokenizer.ggml.tokens" && reason.contains("would hash 16000")), "{:?}", tokenizer_from_gguf(&m).err());
     }
 
     #[test]
