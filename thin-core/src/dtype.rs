@@ -60,6 +60,8 @@ pub enum SourceDType {
     Q8_0,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Q4K,
     Q5K,
     Q6K,
@@ -74,6 +76,8 @@ impl SourceDType {
             SourceDType::Q8_0 => (32, 34),
             SourceDType::Q4_0 => (32, 18),
             SourceDType::Q4_1 => (32, 20),
+            SourceDType::Q5_0 => (32, 22),
+            SourceDType::Q5_1 => (32, 24),
             SourceDType::Q4K => (256, 144),
             SourceDType::Q5K => (256, 176),
             SourceDType::Q6K => (256, 210),
@@ -97,6 +101,8 @@ impl SourceDType {
             SourceDType::Q8_0 => "Q8_0",
             SourceDType::Q4_0 => "Q4_0",
             SourceDType::Q4_1 => "Q4_1",
+            SourceDType::Q5_0 => "Q5_0",
+            SourceDType::Q5_1 => "Q5_1",
             SourceDType::Q4K => "Q4_K",
             SourceDType::Q5K => "Q5_K",
             SourceDType::Q6K => "Q6_K",
@@ -123,6 +129,8 @@ mod tests {
         assert_eq!(DType::Mxfp4.bytes_for(33), None);
         assert_eq!(SourceDType::Q4_1.bytes_for(64), Some(40));
         assert_eq!(SourceDType::Q6K.bytes_for(256), Some(210));
+        assert_eq!(SourceDType::Q5_0.bytes_for(64), Some(44));
+        assert_eq!(SourceDType::Q5_1.bytes_for(64), Some(48));
         assert_eq!(SourceDType::Q8_0.bytes_for(31), None);
         assert_eq!(DType::F32.bytes_for(u64::MAX), None);
     }

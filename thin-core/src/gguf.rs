@@ -98,7 +98,7 @@ pub enum GgufError {
     Unbacked { key: String, declared: u64, present: u64, what: &'static str },
     #[error("unsupported architecture {0:?} (llama, smollm3, gemma3, olmoe are supported)")]
     UnsupportedArch(String),
-    #[error("unsupported tokenizer model {0:?} (only \"gpt2\" byte-level BPE is supported)")]
+    #[error("unsupported tokenizer model {0:?} (\"gpt2\" byte-level BPE and \"llama\" SentencePiece are supported)")]
     UnsupportedTokenizer(String),
     #[error("building tokenizer.json: {0}")]
     TokenizerJson(String),
@@ -213,6 +213,8 @@ pub fn dtype_from_ggml(t: u32) -> Option<SourceDType> {
         1 => SourceDType::F16,
         2 => SourceDType::Q4_0,
         3 => SourceDType::Q4_1,
+        6 => SourceDType::Q5_0,
+        7 => SourceDType::Q5_1,
         8 => SourceDType::Q8_0,
         12 => SourceDType::Q4K,
         13 => SourceDType::Q5K,

@@ -610,9 +610,11 @@ mod tests {
             input("blk.0.ffn_up", Role::FfnUp, Some(0), SourceDType::Q4_1),
             input("blk.0.attn_q", Role::AttnQ, Some(0), SourceDType::Q6K),
             input("blk.0.attn_k", Role::AttnK, Some(0), SourceDType::F16),
+            input("blk.0.attn_v", Role::AttnV, Some(0), SourceDType::Q5_0),
         ];
         let plan = plan_quantization(&n, 30, &gguf, false).unwrap();
-        assert_eq!(plan.iter().map(|p| p.method).collect::<Vec<_>>(), [Q8_0, Q4_1, Bf16, Bf16]);
+        assert_eq!(plan.iter().map(|p| p.method).collect::<Vec<_>>(), [Q8_0, Q4_1, Bf16, Bf16, Bf16]);
+        assert!(plan[4].rule.ends_with("Q5_0 has no kernel here: stored as bf16"), "{}", plan[4].rule);
         assert!(plan[1].rule.ends_with("Q4_1 blocks kept as stored"), "{}", plan[1].rule);
         assert!(plan[2].rule.ends_with("Q6_K has no kernel here: stored as bf16"), "{}", plan[2].rule);
     }

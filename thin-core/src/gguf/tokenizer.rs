@@ -4,16 +4,32 @@
 //! (a `GPT2Converter`) builds: byte-level BPE over the GGUF vocab and merges, ByteLevel
 //! pre-tokenizer/decoder/post-processor, control (3) and user-defined (4) tokens as special added
 //! tokens.
+//!
+//! For `"llama"` (SentencePiece, as Gemma's GGUFs carry it: tokens, scores, token types, `<0xXX>`
+//! byte tokens) it builds the BPE that encodes as llama.cpp's `llm_tokenizer_spm` does: spaces
+//! become `▁`, adjacent pieces merge highest score first into a token of the vocabulary, and what
+//! no token covers falls back to byte tokens. SentencePiece stores scores, not merges, so the
+//! merges are derived from them as transformers' `SentencePieceExtractor` does: every split of a
+//! token into two tokens, ranked by the whole token's score. Control, user-defined and unknown
+//! tokens are added tokens, split out of the text before the merges (llama.cpp's
+//! `tokenizer_st_partition`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use serde_json::{json, Map, Value};
 
 use super::{get_str, get_u64, GgufError, GgufValue};
 use crate::manifest::TokenizerInfo;
 
+// llama.cpp's `llama_token_type` (the values of `tokenizer.ggml.token_type`).
+const TOKEN_TYPE_UNKNOWN: i64 = 2;
 const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+const TOKEN_TYPE_BYTE: i64 = 6;
+
+/// Bytes hashed while deriving SentencePiece merges (the sum of every token's length squared):
+/// Gemma 3's 262,144 tokens take 26.5M; a vocabulary of huge tokens is refused before the work.
+pub const MAX_SENTENCEPIECE_MERGE_WORK: u64 = 1 << 30;
 
 fn string_array<'m>(meta: &'m BTreeMap<String, GgufValue>, key: &str) -> Result<Option<Vec<&'m str>>, GgufError> {
     match meta.get(key) {
@@ -37,6 +53,30 @@ fn string_array<'m>(meta: &'m BTreeMap<String, GgufValue>, key: &str) -> Result<
     }
 }
 
+fn f32_array(meta: &BTreeMap<String, GgufValue>, key: &str) -> Result<Option<Vec<f32>>, GgufError> {
+    let wrong = |found: String| GgufError::WrongKeyType { key: key.to_string(), expected: "array of f32", found };
+    match meta.get(key) {
+        None => Ok(None),
+        Some(GgufValue::Array(a)) => a
+            .iter()
+            .map(|v| match *v {
+                GgufValue::F32(x) => Ok(x),
+                _ => Err(wrong(format!("array of {}", v.type_name()))),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some),
+        Some(v) => Err(wrong(v.type_name().to_string())),
+    }
+}
+
+fn bool_key(meta: &BTreeMap<String, GgufValue>, key: &str) -> Result<Option<bool>, GgufError> {
+    match meta.get(key) {
+        None => Ok(None),
+        Some(GgufValue::Bool(b)) => Ok(Some(*b)),
+        Some(v) => Err(GgufError::WrongKeyType { key: key.into(), expected: "bool", found: v.type_name().into() }),
+    }
+}
+
 fn token_id(meta: &BTreeMap<String, GgufValue>, key: &str, vocab: usize) -> Result<Option<u32>, GgufError> {
     match get_u64(meta, key)? {
         None => Ok(None),
@@ -52,12 +92,13 @@ fn token_id(meta: &BTreeMap<String, GgufValue>, key: &str, vocab: usize) -> Resu
 pub fn tokenizer_from_gguf(meta: &BTreeMap<String, GgufValue>) -> Result<TokenizerInfo, GgufError> {
     let model = get_str(meta, "tokenizer.ggml.model")?
         .ok_or_else(|| GgufError::MissingKey("tokenizer.ggml.model".to_string()))?;
-    if model != "gpt2" {
-        return Err(GgufError::UnsupportedTokenizer(model.to_string()));
-    }
+    let sentencepiece = match model {
+        "gpt2" => false,
+        "llama" => true,
+        other => return Err(GgufError::UnsupportedTokenizer(other.to_string())),
+    };
     let tokens = string_array(meta, "tokenizer.ggml.tokens")?
         .ok_or_else(|| GgufError::MissingKey("tokenizer.ggml.tokens".to_string()))?;
-    let merges = string_array(meta, "tokenizer.ggml.merges")?.unwrap_or_default();
     let types: Vec<i64> = match meta.get("tokenizer.ggml.token_type") {
         None => Vec::new(),
         Some(GgufValue::Array(a)) => a
@@ -94,20 +135,15 @@ pub fn tokenizer_from_gguf(meta: &BTreeMap<String, GgufValue>) -> Result<Tokeniz
     for (i, t) in tokens.iter().enumerate() {
         vocab.insert((*t).to_string(), Value::from(i as u64));
     }
-    let mut merge_list = Vec::with_capacity(merges.len());
-    for m in &merges {
-        let Some((a, b)) = m.split_once(' ') else {
-            return Err(GgufError::BadValue {
-                key: "tokenizer.ggml.merges".into(),
-                reason: format!("merge {m:?} has no space"),
-            });
-        };
-        merge_list.push(json!([a, b]));
-    }
+    let added_types: &[i64] = if sentencepiece {
+        &[TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED, TOKEN_TYPE_UNKNOWN]
+    } else {
+        &[TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED]
+    };
     let added: Vec<Value> = types
         .iter()
         .enumerate()
-        .filter(|(_, &ty)| ty == TOKEN_TYPE_CONTROL || ty == TOKEN_TYPE_USER_DEFINED)
+        .filter(|(_, ty)| added_types.contains(ty))
         .map(|(i, _)| {
             json!({
                 "id": i as u64,
@@ -120,7 +156,39 @@ pub fn tokenizer_from_gguf(meta: &BTreeMap<String, GgufValue>) -> Result<Tokeniz
             })
         })
         .collect();
-    let tok = json!({
+    let tok = if sentencepiece {
+        sentencepiece_bpe(meta, &tokens, &types, vocab, added)?
+    } else {
+        gpt2_bpe(meta, vocab, added)?
+    };
+    let tokenizer_json = serde_json::to_string(&tok).map_err(|e| GgufError::TokenizerJson(e.to_string()))?;
+    let bos_token_id = token_id(meta, "tokenizer.ggml.bos_token_id", tokens.len())?;
+    let eos = token_id(meta, "tokenizer.ggml.eos_token_id", tokens.len())?;
+    let add_bos = bool_key(meta, "tokenizer.ggml.add_bos_token")?.unwrap_or(false);
+    let chat_template = get_str(meta, "tokenizer.chat_template")?.map(str::to_string);
+    Ok(TokenizerInfo {
+        tokenizer_json,
+        chat_template,
+        bos_token_id,
+        eos_token_ids: eos.into_iter().collect(),
+        add_bos,
+    })
+}
+
+/// Byte-level BPE over the GGUF's vocab and `tokenizer.ggml.merges` (GPT-2 style).
+fn gpt2_bpe(meta: &BTreeMap<String, GgufValue>, vocab: Map<String, Value>, added: Vec<Value>) -> Result<Value, GgufError> {
+    let merges = string_array(meta, "tokenizer.ggml.merges")?.unwrap_or_default();
+    let mut merge_list = Vec::with_capacity(merges.len());
+    for m in &merges {
+        let Some((a, b)) = m.split_once(' ') else {
+            return Err(GgufError::BadValue {
+                key: "tokenizer.ggml.merges".into(),
+                reason: format!("merge {m:?} has no space"),
+            });
+        };
+        merge_list.push(json!([a, b]));
+    }
+    Ok(json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
@@ -141,29 +209,99 @@ pub fn tokenizer_from_gguf(meta: &BTreeMap<String, GgufValue>) -> Result<Tokeniz
             "vocab": vocab,
             "merges": merge_list,
         },
-    });
-    let tokenizer_json = serde_json::to_string(&tok).map_err(|e| GgufError::TokenizerJson(e.to_string()))?;
-    let bos_token_id = token_id(meta, "tokenizer.ggml.bos_token_id", tokens.len())?;
-    let eos = token_id(meta, "tokenizer.ggml.eos_token_id", tokens.len())?;
-    let add_bos = match meta.get("tokenizer.ggml.add_bos_token") {
-        None => false,
-        Some(GgufValue::Bool(b)) => *b,
-        Some(v) => {
-            return Err(GgufError::WrongKeyType {
-                key: "tokenizer.ggml.add_bos_token".into(),
-                expected: "bool",
-                found: v.type_name().into(),
-            })
+    }))
+}
+
+/// SentencePiece BPE from the vocab's scores (module doc): `▁` for spaces, merges ranked by score,
+/// `<0xXX>` byte fallback; decoding turns `▁` back into spaces and byte tokens into bytes.
+fn sentencepiece_bpe(
+    meta: &BTreeMap<String, GgufValue>,
+    tokens: &[&str],
+    types: &[i64],
+    vocab: Map<String, Value>,
+    added: Vec<Value>,
+) -> Result<Value, GgufError> {
+    // llama.cpp prepends a space to every text fragment unless the GGUF says false (its default).
+    if bool_key(meta, "tokenizer.ggml.add_space_prefix")?.unwrap_or(true) {
+        return Err(GgufError::BadValue {
+            key: "tokenizer.ggml.add_space_prefix".into(),
+            reason: "true (or absent): a space before each text fragment is not supported yet (Gemma's GGUFs say false)".into(),
+        });
+    }
+    if types.is_empty() {
+        return Err(GgufError::MissingKey("tokenizer.ggml.token_type".into()));
+    }
+    let scores = f32_array(meta, "tokenizer.ggml.scores")?.ok_or_else(|| GgufError::MissingKey("tokenizer.ggml.scores".into()))?;
+    if scores.len() != tokens.len() {
+        return Err(GgufError::BadValue {
+            key: "tokenizer.ggml.scores".into(),
+            reason: format!("{} scores for {} tokens", scores.len(), tokens.len()),
+        });
+    }
+    let byte_tokens: HashSet<&str> = tokens.iter().zip(types).filter(|&(_, &ty)| ty == TOKEN_TYPE_BYTE).map(|(t, _)| *t).collect();
+    for b in 0..=255u8 {
+        let piece = format!("<0x{b:02X}>");
+        if !byte_tokens.contains(piece.as_str()) {
+            return Err(GgufError::BadValue {
+                key: "tokenizer.ggml.tokens".into(),
+                reason: format!("no byte token {piece} (type {TOKEN_TYPE_BYTE}) for the byte fallback"),
+            });
         }
-    };
-    let chat_template = get_str(meta, "tokenizer.chat_template")?.map(str::to_string);
-    Ok(TokenizerInfo {
-        tokenizer_json,
-        chat_template,
-        bos_token_id,
-        eos_token_ids: eos.into_iter().collect(),
-        add_bos,
-    })
+    }
+    let work = tokens.iter().fold(0u64, |w, t| w.saturating_add((t.len() as u64).saturating_mul(t.len() as u64)));
+    if work > MAX_SENTENCEPIECE_MERGE_WORK {
+        return Err(GgufError::BadValue {
+            key: "tokenizer.ggml.tokens".into(),
+            reason: format!(
+                "deriving merges from these tokens would hash {work} bytes (their lengths squared), more than {MAX_SENTENCEPIECE_MERGE_WORK}"
+            ),
+        });
+    }
+    // llama.cpp merges two pieces whenever their concatenation is any token of the vocabulary
+    // (user-defined "▁▁" included; the last token of a repeated text wins, as in its map).
+    let by_text: HashMap<&str, usize> = tokens.iter().enumerate().map(|(i, t)| (*t, i)).collect();
+    let mut merges: Vec<(f32, usize, &str, &str)> = Vec::new();
+    for (&whole, &id) in &by_text {
+        for (at, _) in whole.char_indices().skip(1) {
+            let (left, right) = whole.split_at(at);
+            if by_text.contains_key(left) && by_text.contains_key(right) {
+                merges.push((scores[id], id, left, right));
+            }
+        }
+    }
+    // Highest score first, as llama.cpp's work queue. Among equal scores llama.cpp merges the
+    // leftmost pair; ranking the longer token first does the same for runs of one piece (Gemma's
+    // "▁▁".."▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁", all scored -1000): the leftmost symbol grows first.
+    let whole_len = |m: &(f32, usize, &str, &str)| m.2.len() + m.3.len();
+    merges.sort_by(|a, b| b.0.total_cmp(&a.0).then(whole_len(b).cmp(&whole_len(a))).then(a.1.cmp(&b.1)).then(a.2.len().cmp(&b.2.len())));
+    let merge_list: Vec<Value> = merges.iter().map(|&(_, _, l, r)| json!([l, r])).collect();
+    let unk = token_id(meta, "tokenizer.ggml.unknown_token_id", tokens.len())?.map(|id| tokens[id as usize]);
+    Ok(json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"},
+        "pre_tokenizer": null,
+        "post_processor": null,
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
+        ]},
+        "model": {
+            "type": "BPE",
+            "dropout": null,
+            "unk_token": unk,
+            "continuing_subword_prefix": null,
+            "end_of_word_suffix": null,
+            "fuse_unk": true,
+            "byte_fallback": true,
+            "ignore_merges": false,
+            "vocab": vocab,
+            "merges": merge_list,
+        },
+    }))
 }
 
 #[cfg(test)]
@@ -231,11 +369,89 @@ mod tests {
         assert_eq!(dec, text);
     }
 
+    /// A SentencePiece vocab: control tokens, the 256 byte tokens, then pieces with scores.
+    fn spm_meta() -> BTreeMap<String, GgufValue> {
+        let s = |v: &str| GgufValue::String(v.to_string());
+        let mut toks: Vec<String> = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "\n"].map(String::from).to_vec();
+        let mut types = vec![3, 3, 3, 2, 3, 4];
+        let mut scores = vec![-1000.0f32; 6];
+        for b in 0..=255u8 {
+            toks.push(format!("<0x{b:02X}>"));
+            types.push(6);
+            scores.push(0.0);
+        }
+        // Pieces and scores: "hell" outranks "he" + "llo", so "hello" is he|ll -> hell, then + o.
+        for (t, sc) in [("▁", -1.0), ("h", -2.0), ("e", -3.0), ("l", -4.0), ("o", -5.0), ("ll", -6.0), ("he", -7.0), ("hell", -8.0), ("llo", -9.0), ("hello", -10.0), ("▁hello", -11.0)] {
+            toks.push(t.into());
+            types.push(1);
+            scores.push(sc);
+        }
+        let mut m = BTreeMap::new();
+        m.insert("tokenizer.ggml.model".into(), s("llama"));
+        m.insert("tokenizer.ggml.tokens".into(), GgufValue::Array(toks.iter().map(|t| s(t)).collect()));
+        m.insert("tokenizer.ggml.token_type".into(), GgufValue::Array(types.into_iter().map(GgufValue::I32).collect()));
+        m.insert("tokenizer.ggml.scores".into(), GgufValue::Array(scores.into_iter().map(GgufValue::F32).collect()));
+        m.insert("tokenizer.ggml.bos_token_id".into(), GgufValue::U32(2));
+        m.insert("tokenizer.ggml.eos_token_id".into(), GgufValue::U32(1));
+        m.insert("tokenizer.ggml.unknown_token_id".into(), GgufValue::U32(3));
+        m.insert("tokenizer.ggml.add_bos_token".into(), GgufValue::Bool(true));
+        m.insert("tokenizer.ggml.add_space_prefix".into(), GgufValue::Bool(false));
+        m
+    }
+
+    #[test]
+    fn sentencepiece_tokenizer_merges_by_score_and_falls_back_to_bytes() {
+        let info = tokenizer_from_gguf(&spm_meta()).expect("tokenizer");
+        assert_eq!((info.bos_token_id, info.eos_token_ids.as_slice(), info.add_bos), (Some(2), &[1][..], true));
+        let tk: tokenizers::Tokenizer = info.tokenizer_json.parse().expect("tokenizer.json loads");
+        let id = |t: &str| tk.token_to_id(t).expect(t);
+        let text = "hello hello<start_of_turn>hé\nx";
+        let enc = tk.encode(text, false).expect("encode");
+        let want = [
+            id("hello"),
+            id("▁hello"),
+            4,
+            id("h"),
+            id("<0xC3>"),
+            id("<0xA9>"),
+            5,
+            id("<0x78>"),
+        ];
+        assert_eq!(enc.get_ids(), want);
+        assert_eq!(tk.decode(enc.get_ids(), false).expect("decode"), text);
+    }
+
+    #[test]
+    fn sentencepiece_metadata_errors_are_typed() {
+        let mut m = spm_meta();
+        m.insert("tokenizer.ggml.add_space_prefix".into(), GgufValue::Bool(true));
+        assert!(matches!(tokenizer_from_gguf(&m), Err(GgufError::BadValue { key, .. }) if key == "tokenizer.ggml.add_space_prefix"));
+        let mut m = spm_meta();
+        m.remove("tokenizer.ggml.scores");
+        assert!(matches!(tokenizer_from_gguf(&m), Err(GgufError::MissingKey(k)) if k == "tokenizer.ggml.scores"));
+        let mut m = spm_meta();
+        m.insert("tokenizer.ggml.scores".into(), GgufValue::Array(vec![GgufValue::F32(0.0)]));
+        assert!(matches!(tokenizer_from_gguf(&m), Err(GgufError::BadValue { key, reason }) if key == "tokenizer.ggml.scores" && reason == "1 scores for 273 tokens"));
+        let mut m = spm_meta();
+        m.insert("tokenizer.ggml.scores".into(), GgufValue::Array(vec![GgufValue::U32(0); 273]));
+        assert!(matches!(tokenizer_from_gguf(&m), Err(GgufError::WrongKeyType { key, .. }) if key == "tokenizer.ggml.scores"));
+        let mut m = spm_meta();
+        if let Some(GgufValue::Array(t)) = m.get_mut("tokenizer.ggml.tokens") {
+            t[6 + 0x41] = GgufValue::String("A".into());
+        }
+        assert!(matches!(tokenizer_from_gguf(&m), Err(GgufError::BadValue { reason, .. }) if reason.contains("<0x41>")));
+        let mut m = spm_meta();
+        if let Some(GgufValue::Array(t)) = m.get_mut("tokenizer.ggml.tokens") {
+            t[272] = GgufValue::String("a".repeat(40_000));
+        }
+        assert!(matches!(tokenizer_from_gguf(&m), Err(GgufError::BadValue { key, reason }) if key == "tokenizer.ggml.tokens" && reason.contains("would hash 16000")), "{:?}", tokenizer_from_gguf(&m).err());
+    }
+
     #[test]
     fn other_models_are_typed_errors() {
         let mut m = meta();
-        m.insert("tokenizer.ggml.model".into(), GgufValue::String("llama".into()));
-        assert!(matches!(tokenizer_from_gguf(&m), Err(GgufError::UnsupportedTokenizer(s)) if s == "llama"));
+        m.insert("tokenizer.ggml.model".into(), GgufValue::String("bert".into()));
+        assert!(matches!(tokenizer_from_gguf(&m), Err(GgufError::UnsupportedTokenizer(s)) if s == "bert"));
         m.remove("tokenizer.ggml.model");
         assert!(matches!(tokenizer_from_gguf(&m), Err(GgufError::MissingKey(_))));
     }
