@@ -422,7 +422,7 @@ mod gemm_bf16dot {
 
 /// `outs[t][r - row0] = w[r, :] . x[t, :]` for rows `row0 .. row0 + outs[t].len()` of `w` and every
 /// token row of `x` (`[outs.len(), n_in]`): the bits [`rows_of`] gives token by token, register-tiled
-/// where a kernel exists (bf16, Q8_0, FP8 and MXFP4 on AVX-512), else token by token.
+/// where a kernel exists (bf16 and every quantized type on AVX-512), else token by token.
 fn rows_of_tokens(w: WeightView<'_>, x: &[f32], n_in: usize, row0: usize, outs: &mut [&mut [f32]]) {
     let rows = outs.first().map_or(0, |o| o.len());
     match (w.rows(row0, row0 + rows, n_in), Isa::best().clamp()) {
@@ -437,6 +437,9 @@ fn rows_of_tokens(w: WeightView<'_>, x: &[f32], n_in: usize, row0: usize, outs: 
         }
         (WeightView::Mxfp4 { values, scales, postscale, .. }, _) => {
             return codecs::mxfp4::matmul_rows(values, scales, postscale, x, n_in, outs).expect("a view's rows were checked when it was made")
+        }
+        (WeightView::Q4_1 { blocks, .. }, _) => {
+            return codecs::q4_1::matmul_rows(blocks, x, n_in, outs).expect("a view's rows were checked when it was made")
         }
         _ => {}
     }

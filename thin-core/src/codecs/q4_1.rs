@@ -12,7 +12,7 @@
 //! of the dequantized values, only as accurate.
 
 use super::q8_0::{block_bytes, check_blocks, check_nonfinite_rows};
-use super::{elems, rd_f16, reduce, CodecError, Isa, Sizes, BLOCK, LANES};
+use super::{check_len, elems, rd_f16, reduce, CodecError, Isa, Sizes, BLOCK, LANES};
 use half::f16;
 
 const NAME: &str = "Q4_1";
@@ -196,6 +196,76 @@ mod avx512 {
         }
     }
 
+    const TILE_ROWS: usize = 4;
+    const TILE_TOKENS: usize = 4;
+
+    /// `outs[t][r]` for every row in `blocks` and token in `x`, in tiles of 4 rows x 4 tokens.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
+    pub fn tiles(blocks: &[u8], x: &[f32], cols: usize, outs: &mut [&mut [f32]]) {
+        let row_bytes = cols / BLOCK * BLOCK_BYTES;
+        let (rows, tokens) = (outs.first().map_or(0, |o| o.len()), outs.len());
+        let mut r = 0;
+        while r < rows {
+            let nr = if r + TILE_ROWS <= rows { TILE_ROWS } else { 1 };
+            let mut t = 0;
+            while t < tokens {
+                let nt = if t + TILE_TOKENS <= tokens { TILE_TOKENS } else { 1 };
+                let (b, xt) = (&blocks[r * row_bytes..(r + nr) * row_bytes], &x[t * cols..(t + nt) * cols]);
+                let outs = &mut outs[t..t + nt];
+                match (nr, nt) {
+                    (TILE_ROWS, TILE_TOKENS) => tile::<TILE_ROWS, TILE_TOKENS>(b, xt, cols, outs, r),
+                    (TILE_ROWS, _) => tile::<TILE_ROWS, 1>(b, xt, cols, outs, r),
+                    (_, TILE_TOKENS) => tile::<1, TILE_TOKENS>(b, xt, cols, outs, r),
+                    _ => tile::<1, 1>(b, xt, cols, outs, r),
+                }
+                t += nt;
+            }
+            r += nr;
+        }
+    }
+
+    /// `outs[t][r0 + n]` for the `R` rows in `blocks` and the `T` tokens in `x`: [`group`]'s
+    /// operations per (row, token), each block's nibbles and scales decoded once per tile.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
+    fn tile<const R: usize, const T: usize>(blocks: &[u8], x: &[f32], cols: usize, outs: &mut [&mut [f32]], r0: usize) {
+        let nb = cols / BLOCK;
+        let row_bytes = nb * BLOCK_BYTES;
+        assert!(blocks.len() == R * row_bytes && x.len() == T * cols && outs.len() == T);
+        let nibble = _mm512_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0);
+        let mut acc = [[_mm512_setzero_ps(); R]; T];
+        for b in 0..nb {
+            let mut w = [[_mm512_setzero_ps(); 4]; R];
+            for (n, w) in w.iter_mut().enumerate() {
+                // SAFETY: n * row_bytes + b * 20 + 20 <= blocks.len() (asserted shape); unaligned loads.
+                let (q, dm) = unsafe {
+                    let p = blocks.as_ptr().add(n * row_bytes + b * BLOCK_BYTES);
+                    (_mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(4) as *const __m128i)), f16_pair(p))
+                };
+                *w = [
+                    _mm512_permutexvar_ps(q, nibble),
+                    _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), nibble),
+                    _mm512_broadcastss_ps(dm),
+                    _mm512_broadcastss_ps(_mm_movehdup_ps(dm)),
+                ];
+            }
+            for (t, a) in acc.iter_mut().enumerate() {
+                // SAFETY: t * cols + 32b + 32 <= x.len() (asserted shape); unaligned loads.
+                let (x0, x1) = unsafe { (_mm512_loadu_ps(x.as_ptr().add(t * cols + BLOCK * b)), _mm512_loadu_ps(x.as_ptr().add(t * cols + BLOCK * b + 16))) };
+                let s = _mm512_add_ps(x0, x1);
+                for (a, [lo, hi, d, m]) in a.iter_mut().zip(&w) {
+                    let t = _mm512_add_ps(_mm512_mul_ps(*lo, x0), _mm512_mul_ps(*hi, x1));
+                    *a = _mm512_add_ps(*a, _mm512_add_ps(_mm512_mul_ps(t, *d), _mm512_mul_ps(s, *m)));
+                }
+            }
+        }
+        for (a, o) in acc.iter().zip(outs.iter_mut()) {
+            for (n, &a) in a.iter().enumerate() {
+                o[r0 + n] = sum16_512(a);
+            }
+        }
+    }
+
     /// `out[i]` for the `N` rows in `blocks`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
@@ -252,6 +322,38 @@ pub fn matvec_rows_on(isa: Isa, blocks: &[u8], x: &[f32], out: &mut [f32]) -> Re
     check_nonfinite_rows(NAME, BLOCK_BYTES, &[0, 2], blocks, x.len(), out)
 }
 
+/// Prefill: `outs[t][r]` = row `r`'s dot with token `t` of `x` (`[outs.len(), cols]` row-major), for
+/// the rows in `blocks` (`outs[t].len()` each): what [`matvec_rows`] gives token by token, bit for
+/// bit, register-tiled on AVX-512 (4 rows x 4 tokens: each block decoded once for 4 tokens).
+pub fn matmul_rows(blocks: &[u8], x: &[f32], cols: usize, outs: &mut [&mut [f32]]) -> Result<(), CodecError> {
+    matmul_rows_on(Isa::best(), blocks, x, cols, outs)
+}
+
+/// [`matmul_rows`] on the kernels of `isa` (or the best this CPU runs below it).
+pub fn matmul_rows_on(isa: Isa, blocks: &[u8], x: &[f32], cols: usize, outs: &mut [&mut [f32]]) -> Result<(), CodecError> {
+    let rows = outs.first().map_or(0, |o| o.len());
+    check_len(NAME, "x", elems(NAME, outs.len(), cols)?, x.len())?;
+    check_blocks(NAME, BLOCK_BYTES, cols, cols / BLOCK * BLOCK_BYTES)?;
+    check_blocks(NAME, BLOCK_BYTES, elems(NAME, rows, cols)?, blocks.len())?;
+    for o in outs.iter() {
+        check_len(NAME, "outputs", rows, o.len())?;
+    }
+    match isa.clamp() {
+        // SAFETY: `clamp` returns a level this CPU runs.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if cols > 0 => unsafe { avx512::tiles(blocks, x, cols, outs) },
+        _ => {
+            for (xt, o) in x.chunks_exact(cols.max(1)).zip(outs.iter_mut()) {
+                rows_dispatch(isa, blocks, xt, o);
+            }
+        }
+    }
+    for o in outs.iter() {
+        check_nonfinite_rows(NAME, BLOCK_BYTES, &[0, 2], blocks, cols, o)?;
+    }
+    Ok(())
+}
+
 /// Bytes of [`split_blocks`]'s output for `n` blocks.
 pub fn split_len(n: usize) -> usize {
     (n * 16).next_multiple_of(64) + 4 * n
@@ -291,6 +393,34 @@ mod tests {
             b.push(j | ((15 - j) << 4));
         }
         b
+    }
+
+    #[test]
+    fn matmul_tiles_equal_token_by_token_matvec_bit_for_bit() {
+        // 6 rows (a 4-row tile and 2 single rows) x 96 columns, 6 tokens (a 4-token tile and 2).
+        let (rows, cols, tokens) = (6usize, 96usize, 6usize);
+        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 211) as f32 - 105.0) / 17.0).collect();
+        let mut blocks = vec![0u8; rows * cols / BLOCK * BLOCK_BYTES];
+        quantize_row(&w, &mut blocks).unwrap();
+        let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 104729 % 97) as f32 - 48.0) / 9.0).collect();
+        let mut want = vec![0.0; tokens * rows];
+        for (xt, o) in x.chunks_exact(cols).zip(want.chunks_exact_mut(rows)) {
+            matvec_rows_on(Isa::Portable, &blocks, xt, o).unwrap();
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for isa in Isa::supported() {
+            let mut got = vec![0.0; tokens * rows];
+            let mut outs: Vec<&mut [f32]> = got.chunks_exact_mut(rows).collect();
+            matmul_rows_on(isa, &blocks, &x, cols, &mut outs).unwrap();
+            assert_eq!(bits(&got), bits(&want), "{isa:?}");
+        }
+        // A NaN scale is named, as matvec_rows names it.
+        blocks[BLOCK_BYTES * 4 + 2..BLOCK_BYTES * 4 + 4].copy_from_slice(&f16::from_f32(f32::NAN).to_le_bytes());
+        let mut got = vec![0.0; tokens * rows];
+        let mut outs: Vec<&mut [f32]> = got.chunks_exact_mut(rows).collect();
+        let e = matmul_rows(&blocks, &x, cols, &mut outs).unwrap_err();
+        let mut one = vec![0.0; rows];
+        assert_eq!(e, matvec_rows(&blocks, &x[..cols], &mut one).unwrap_err());
     }
 
     #[test]
