@@ -276,7 +276,7 @@ mod avx2 {
 /// share the loads of `x`. NaN codes are found on the raw bytes, 32 at a time.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::super::x86::sum16_512;
+    use super::super::x86::{call_tile, sum16_512, tile_walk};
     use super::{tail, CHUNK};
     use std::arch::x86_64::*;
 
@@ -301,30 +301,13 @@ mod avx512 {
         }
     }
 
-    const TILE_ROWS: usize = 4;
-    const TILE_TOKENS: usize = 4;
-
     /// `outs[t][r]` for every row in `values` and token in `x`, in tiles of 4 rows x 4 tokens.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
     pub fn tiles(values: &[u8], scales: &[f32], x: &[f32], cols: usize, outs: &mut [&mut [f32]]) {
         let (rows, tokens) = (outs.first().map_or(0, |o| o.len()), outs.len());
-        let mut r = 0;
-        while r < rows {
-            let nr = if r + TILE_ROWS <= rows { TILE_ROWS } else { 1 };
-            let mut t = 0;
-            while t < tokens {
-                let nt = if t + TILE_TOKENS <= tokens { TILE_TOKENS } else { 1 };
-                let (v, s, xt) = (&values[r * cols..(r + nr) * cols], &scales[r..r + nr], &x[t * cols..(t + nt) * cols]);
-                let outs = &mut outs[t..t + nt];
-                match (nr, nt) {
-                    (TILE_ROWS, TILE_TOKENS) => tile::<TILE_ROWS, TILE_TOKENS>(v, s, xt, cols, outs, r),
-                    (TILE_ROWS, _) => tile::<TILE_ROWS, 1>(v, s, xt, cols, outs, r),
-                    (_, TILE_TOKENS) => tile::<1, TILE_TOKENS>(v, s, xt, cols, outs, r),
-                    _ => tile::<1, 1>(v, s, xt, cols, outs, r),
-                }
-                t += nt;
-            }
-            r += nr;
+        for (r, nr, t, nt) in tile_walk(rows, tokens) {
+            let (v, s, xt) = (&values[r * cols..(r + nr) * cols], &scales[r..r + nr], &x[t * cols..(t + nt) * cols]);
+            call_tile!(tile, nr, nt, (v, s, xt, cols, &mut outs[t..t + nt], r));
         }
     }
 

@@ -170,7 +170,7 @@ mod avx2 {
 /// `R` rows at a time share the loads of `x` and its block sums.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::super::x86::{f16_pair, sum16_512};
+    use super::super::x86::{call_tile, f16_pair, sum16_512, tile_walk};
     use super::super::BLOCK;
     use super::BLOCK_BYTES;
     use std::arch::x86_64::*;
@@ -196,31 +196,14 @@ mod avx512 {
         }
     }
 
-    const TILE_ROWS: usize = 4;
-    const TILE_TOKENS: usize = 4;
-
     /// `outs[t][r]` for every row in `blocks` and token in `x`, in tiles of 4 rows x 4 tokens.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
     pub fn tiles(blocks: &[u8], x: &[f32], cols: usize, outs: &mut [&mut [f32]]) {
         let row_bytes = cols / BLOCK * BLOCK_BYTES;
         let (rows, tokens) = (outs.first().map_or(0, |o| o.len()), outs.len());
-        let mut r = 0;
-        while r < rows {
-            let nr = if r + TILE_ROWS <= rows { TILE_ROWS } else { 1 };
-            let mut t = 0;
-            while t < tokens {
-                let nt = if t + TILE_TOKENS <= tokens { TILE_TOKENS } else { 1 };
-                let (b, xt) = (&blocks[r * row_bytes..(r + nr) * row_bytes], &x[t * cols..(t + nt) * cols]);
-                let outs = &mut outs[t..t + nt];
-                match (nr, nt) {
-                    (TILE_ROWS, TILE_TOKENS) => tile::<TILE_ROWS, TILE_TOKENS>(b, xt, cols, outs, r),
-                    (TILE_ROWS, _) => tile::<TILE_ROWS, 1>(b, xt, cols, outs, r),
-                    (_, TILE_TOKENS) => tile::<1, TILE_TOKENS>(b, xt, cols, outs, r),
-                    _ => tile::<1, 1>(b, xt, cols, outs, r),
-                }
-                t += nt;
-            }
-            r += nr;
+        for (r, nr, t, nt) in tile_walk(rows, tokens) {
+            let (b, xt) = (&blocks[r * row_bytes..(r + nr) * row_bytes], &x[t * cols..(t + nt) * cols]);
+            call_tile!(tile, nr, nt, (b, xt, cols, &mut outs[t..t + nt], r));
         }
     }
 

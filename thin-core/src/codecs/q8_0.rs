@@ -171,7 +171,7 @@ mod avx2 {
 /// AVX-512: a block's 16 lanes in one register, `R` rows at a time sharing the loads of `x`.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::super::x86::{f16_to_f32, sum16_512};
+    use super::super::x86::{call_tile, f16_to_f32, sum16_512, tile_walk};
     use super::super::BLOCK;
     use super::BLOCK_BYTES;
     use std::arch::x86_64::*;
@@ -197,31 +197,14 @@ mod avx512 {
         }
     }
 
-    const TILE_ROWS: usize = 4;
-    const TILE_TOKENS: usize = 4;
-
     /// `outs[t][r]` for every row in `blocks` and token in `x`, in tiles of 4 rows x 4 tokens.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
     pub fn tiles(blocks: &[u8], x: &[f32], cols: usize, outs: &mut [&mut [f32]]) {
         let row_bytes = cols / BLOCK * BLOCK_BYTES;
         let (rows, tokens) = (outs.first().map_or(0, |o| o.len()), outs.len());
-        let mut r = 0;
-        while r < rows {
-            let nr = if r + TILE_ROWS <= rows { TILE_ROWS } else { 1 };
-            let mut t = 0;
-            while t < tokens {
-                let nt = if t + TILE_TOKENS <= tokens { TILE_TOKENS } else { 1 };
-                let (b, xt) = (&blocks[r * row_bytes..(r + nr) * row_bytes], &x[t * cols..(t + nt) * cols]);
-                let outs = &mut outs[t..t + nt];
-                match (nr, nt) {
-                    (TILE_ROWS, TILE_TOKENS) => tile::<TILE_ROWS, TILE_TOKENS>(b, xt, cols, outs, r),
-                    (TILE_ROWS, _) => tile::<TILE_ROWS, 1>(b, xt, cols, outs, r),
-                    (_, TILE_TOKENS) => tile::<1, TILE_TOKENS>(b, xt, cols, outs, r),
-                    _ => tile::<1, 1>(b, xt, cols, outs, r),
-                }
-                t += nt;
-            }
-            r += nr;
+        for (r, nr, t, nt) in tile_walk(rows, tokens) {
+            let (b, xt) = (&blocks[r * row_bytes..(r + nr) * row_bytes], &x[t * cols..(t + nt) * cols]);
+            call_tile!(tile, nr, nt, (b, xt, cols, &mut outs[t..t + nt], r));
         }
     }
 

@@ -51,3 +51,59 @@ pub unsafe fn f16_pair(p: *const u8) -> __m128 {
     let bits = unsafe { (p as *const i32).read_unaligned() };
     _mm_cvtph_ps(_mm_cvtsi32_si128(bits))
 }
+
+/// Weight rows of one register tile of the prefill kernels.
+pub const TILE_ROWS: usize = 4;
+/// Prompt tokens of one register tile of the prefill kernels.
+pub const TILE_TOKENS: usize = 4;
+
+/// The prefill kernels' walk over `rows x tokens`: `(r, nr, t, nt)` for each tile of [`TILE_ROWS`]
+/// rows from `r` and [`TILE_TOKENS`] tokens from `t`, or single rows and tokens at the edges.
+pub fn tile_walk(rows: usize, tokens: usize) -> impl Iterator<Item = (usize, usize, usize, usize)> {
+    starts(rows, TILE_ROWS).flat_map(move |(r, nr)| starts(tokens, TILE_TOKENS).map(move |(t, nt)| (r, nr, t, nt)))
+}
+
+/// `(start, len)` of the runs of `tile` (then of 1) that cover `0..n`.
+fn starts(n: usize, tile: usize) -> impl Iterator<Item = (usize, usize)> + Clone {
+    let len = move |i: usize| if i + tile <= n { tile } else { 1 };
+    std::iter::successors(Some(0), move |&i| Some(i + len(i))).take_while(move |&i| i < n).map(move |i| (i, len(i)))
+}
+
+/// `$tile::<R, T>($args)` for the tile size `(nr, nt)` that [`tile_walk`] gave.
+macro_rules! call_tile {
+    ($tile:ident, $nr:expr, $nt:expr, ($($arg:expr),* $(,)?)) => {
+        match ($nr, $nt) {
+            ($crate::codecs::x86::TILE_ROWS, $crate::codecs::x86::TILE_TOKENS) => $tile::<{ $crate::codecs::x86::TILE_ROWS }, { $crate::codecs::x86::TILE_TOKENS }>($($arg),*),
+            ($crate::codecs::x86::TILE_ROWS, _) => $tile::<{ $crate::codecs::x86::TILE_ROWS }, 1>($($arg),*),
+            (_, $crate::codecs::x86::TILE_TOKENS) => $tile::<1, { $crate::codecs::x86::TILE_TOKENS }>($($arg),*),
+            _ => $tile::<1, 1>($($arg),*),
+        }
+    };
+}
+pub(crate) use call_tile;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tile_walk_covers_every_row_and_token_once() {
+        for (rows, tokens) in [(0, 5), (5, 0), (1, 1), (6, 6), (8, 4), (9, 13)] {
+            let mut seen = vec![0u8; rows * tokens];
+            for (r, nr, t, nt) in tile_walk(rows, tokens) {
+                assert!((nr == TILE_ROWS || nr == 1) && (nt == TILE_TOKENS || nt == 1));
+                for i in r..r + nr {
+                    for j in t..t + nt {
+                        seen[i * tokens + j] += 1;
+                    }
+                }
+            }
+            assert!(seen.iter().all(|&n| n == 1), "{rows} x {tokens}");
+        }
+        // Whole tiles first, single rows and tokens only at the edges.
+        let walk: Vec<_> = tile_walk(5, 5).collect();
+        assert_eq!(walk[0], (0, 4, 0, 4));
+        assert_eq!(walk[1], (0, 4, 4, 1));
+        assert_eq!(walk[2], (4, 1, 0, 4));
+    }
+}
