@@ -785,40 +785,12 @@ pub fn attention_prompt(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos0: usize
 /// [`attention`], then the values summed in position order.
 #[allow(clippy::too_many_arguments)]
 fn prompt_head_row(q: &[f32], tiles: &[f32], v: &[f32], stride: usize, positions: Range<usize>, p: AttnParams, scores: &mut Vec<f32>, o: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if Isa::best() >= Isa::Avx512 {
-        // SAFETY: the CPU runs AVX-512F.
-        return unsafe { prompt_head_row_avx512(q, tiles, v, stride, positions, p, scores, o) };
-    }
-    prompt_head_row_body::<false>(q, tiles, v, stride, positions, p, scores, o)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn prompt_head_row_avx512(q: &[f32], tiles: &[f32], v: &[f32], stride: usize, positions: Range<usize>, p: AttnParams, scores: &mut Vec<f32>, o: &mut [f32]) {
-    prompt_head_row_body::<true>(q, tiles, v, stride, positions, p, scores, o)
-}
-
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn prompt_head_row_body<const AVX512: bool>(q: &[f32], tiles: &[f32], v: &[f32], stride: usize, positions: Range<usize>, p: AttnParams, scores: &mut Vec<f32>, o: &mut [f32]) {
-    let hd = q.len();
-    let tile = hd * KEY_TILE;
+    let tile = q.len() * KEY_TILE;
     // Whole tiles from the one holding the first position to the one holding the last.
     let (first, last) = (positions.start / KEY_TILE, (positions.end - 1) / KEY_TILE);
     scores.clear();
     scores.resize((last + 1 - first) * KEY_TILE, 0.0);
-    let tiles = &tiles[first * tile..(last + 1) * tile];
-    #[cfg(target_arch = "x86_64")]
-    if AVX512 {
-        // SAFETY: instantiated with AVX512 = true only inside `prompt_head_row_avx512`.
-        unsafe { tile_scores_avx512(q, tiles, scores) };
-    } else {
-        tile_scores(q, tiles, scores);
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    tile_scores(q, tiles, scores);
+    tile_scores(q, &tiles[first * tile..(last + 1) * tile], scores);
     let skip = positions.start - first * KEY_TILE;
     let scores = &mut scores[skip..skip + positions.len()];
     scores.iter_mut().for_each(|s| *s *= p.scale);
@@ -882,6 +854,15 @@ unsafe fn weighted_values_avx512(w: &[f32], v: &[f32], stride: usize, start: usi
 /// neutral element of `Iterator::sum`, a multiply and an add per term (the bits of
 /// [`attention_scores`]).
 fn tile_scores(q: &[f32], tiles: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if Isa::best() >= Isa::Avx512 {
+        // SAFETY: the CPU runs AVX-512F.
+        return unsafe { tile_scores_avx512(q, tiles, out) };
+    }
+    tile_scores_portable(q, tiles, out)
+}
+
+fn tile_scores_portable(q: &[f32], tiles: &[f32], out: &mut [f32]) {
     let zero: f32 = std::iter::empty::<f32>().sum();
     for (t, acc) in tiles.chunks_exact(q.len() * KEY_TILE).zip(out.chunks_exact_mut(KEY_TILE)) {
         acc.iter_mut().for_each(|a| *a = zero);
@@ -1389,7 +1370,7 @@ mod tests {
         }
         let want: Vec<u32> = (0..n).map(|t| q.iter().zip(&keys[t * hd..(t + 1) * hd]).map(|(a, b)| a * b).sum::<f32>().to_bits()).collect();
         let mut got = vec![0.0; n];
-        tile_scores(&q, &tiles, &mut got);
+        tile_scores_portable(&q, &tiles, &mut got);
         assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want);
         #[cfg(target_arch = "x86_64")]
         if Isa::best() >= Isa::Avx512 {
