@@ -85,19 +85,15 @@ fn plan_rows(m: &Manifest) -> Vec<PlanRow> {
         .collect()
 }
 
-/// Vocab entries plus added tokens of an embedded tokenizer.json.
-fn tokenizer_summary(m: &Manifest) -> Value {
-    let t = &m.tokenizer;
-    let parsed: Value = serde_json::from_str(&t.tokenizer_json).unwrap_or(Value::Null);
-    let model = parsed.get("model");
+/// The archive's tokenizer as opened (model type, vocabulary, added tokens) and what it is stored as.
+fn tokenizer_summary(a: &Archive) -> Value {
+    let t = &a.manifest().tokenizer;
+    let tok = a.tokenizer();
     json!({
-        "model": model.and_then(|m| m.get("type")).and_then(Value::as_str),
-        "vocab": model.and_then(|m| m.get("vocab")).map(|v| match v {
-            Value::Object(o) => o.len(),
-            Value::Array(a) => a.len(),
-            _ => 0,
-        }),
-        "added_tokens": parsed.get("added_tokens").and_then(Value::as_array).map(Vec::len),
+        "model": tok.model_type(),
+        "vocab": tok.model_vocab_size(),
+        "added_tokens": tok.added_token_count(),
+        "stored_as": if t.sentencepiece.is_some() { "sentencepiece vocabulary" } else { "tokenizer.json" },
         "tokenizer_json_bytes": t.tokenizer_json.len(),
         "chat_template_bytes": t.chat_template.as_ref().map(String::len),
         "bos_token_id": t.bos_token_id,
@@ -141,7 +137,7 @@ pub fn to_json(a: &Archive) -> Value {
         "shape_fingerprint": m.shape_fingerprint,
         "roles": roles,
         "dtypes": dtypes,
-        "tokenizer": tokenizer_summary(m),
+        "tokenizer": tokenizer_summary(a),
         "quantization": {
             "method": q.method, "storage_dtype": q.storage_dtype.name(), "bits": q.bits,
             "group_size": q.group_size, "scale_dtype": q.scale_dtype.map(|d| d.name()), "zero_point": q.zero_point,
@@ -206,7 +202,7 @@ pub fn to_text(a: &Archive) -> String {
         let _ = write!(s, " no_rope_layers {:?}", c.no_rope_layers);
     }
     let _ = writeln!(s);
-    let tok = tokenizer_summary(m);
+    let tok = tokenizer_summary(a);
     let _ = writeln!(s, "tokenizer {tok}");
     let _ = writeln!(s, "roles");
     for (role, (n, b)) in totals(m, |t| t.role.name()) {

@@ -10,7 +10,7 @@ use clap::{Args, ValueEnum};
 use thin::{Session, StopStrings};
 use thin_core::format::Archive;
 use thin_core::sampler::{SamplerConfig, DEFAULT_REPEAT_LAST_N};
-use thin_core::tokenizer::{ChatMessage, TextTokenizer};
+use thin_core::tokenizer::ChatMessage;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum OutputFormat {
@@ -313,7 +313,7 @@ pub fn tokenize(a: TokenizeArgs) -> anyhow::Result<()> {
         (None, None) => bail!("give TEXT or --file PATH"),
     };
     let archive = Archive::open(&a.model).with_context(|| format!("opening {}", a.model.display()))?;
-    let tok = TextTokenizer::from_info(&archive.manifest().tokenizer).context("loading the archive's tokenizer")?;
+    let tok = archive.tokenizer();
     let ids = tok.encode(&text).context("encoding the text")?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();

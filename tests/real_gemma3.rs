@@ -44,7 +44,13 @@ fn tokenizer_ids_equal_llama_cpp() {
     let gguf = GgufFile::open(&gguf_path()).expect("open");
     let model = gguf.source_model("gemma-3-270m-q4_k_m.gguf").expect("source model");
     assert_eq!((model.tokenizer.bos_token_id, model.tokenizer.add_bos), (Some(BOS), true));
-    let tok = TextTokenizer::from_info(&model.tokenizer).expect("tokenizer");
+    // As an archive stores it: the SentencePiece vocabulary (tokens, scores, types) through the
+    // manifest's JSON and back, every score bit for bit.
+    let stored = serde_json::to_string(&model.tokenizer).expect("serialize");
+    let info: thin_core::manifest::TokenizerInfo = serde_json::from_str(&stored).expect("deserialize");
+    assert!(info.sentencepiece.is_some() && info.tokenizer_json.is_empty());
+    assert!(info == model.tokenizer, "the stored tokenizer differs from the GGUF's");
+    let tok = TextTokenizer::from_info(&info).expect("tokenizer");
     let reference = fixture("gemma_tokenizer_ref.json");
     let cases = reference.as_array().expect("array");
     assert!(cases.len() >= 200, "{} cases", cases.len());

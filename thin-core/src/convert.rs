@@ -784,6 +784,7 @@ mod tests {
             arch,
             tokenizer: crate::manifest::TokenizerInfo {
                 tokenizer_json: String::new(),
+                sentencepiece: None,
                 chat_template: None,
                 bos_token_id: None,
                 eos_token_ids: vec![],

@@ -34,13 +34,29 @@ pub struct Manifest {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TokenizerInfo {
     /// A complete Hugging Face `tokenizer.json`, embedded verbatim (HF source) or built from
-    /// GGUF metadata.
+    /// GGUF metadata; empty when `sentencepiece` holds the tokenizer instead.
     pub tokenizer_json: String,
+    /// A SentencePiece vocabulary (a GGUF's `tokenizer.ggml.model = "llama"`), stored as the GGUF
+    /// has it; the tokenizer is built from it at open (`crate::tokenizer::sentencepiece`). Absent
+    /// for every other tokenizer, and in archives written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sentencepiece: Option<SentencePieceVocab>,
     pub chat_template: Option<String>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     /// Prepend BOS when encoding a prompt.
     pub add_bos: bool,
+}
+
+/// One entry per token id: its text, its SentencePiece score, its llama.cpp token type
+/// (`tokenizer.ggml.token_type`: 2 unknown, 3 control, 4 user-defined, 6 byte, ...).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SentencePieceVocab {
+    pub tokens: Vec<String>,
+    pub scores: Vec<f32>,
+    pub types: Vec<i32>,
+    pub unknown_token_id: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

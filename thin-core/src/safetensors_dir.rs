@@ -619,7 +619,7 @@ fn read_tokenizer(dir: &Path, config: &Value) -> Result<TokenizerInfo, Safetenso
             _ => false,
         },
     };
-    Ok(TokenizerInfo { tokenizer_json, chat_template, bos_token_id, eos_token_ids, add_bos })
+    Ok(TokenizerInfo { tokenizer_json, sentencepiece: None, chat_template, bos_token_id, eos_token_ids, add_bos })
 }
 
 fn open_shards(dir: &Path) -> Result<Vec<SafetensorsFile>, SafetensorsError> {

@@ -13,9 +13,11 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::manifest::TokenizerInfo;
 
+pub mod sentencepiece;
+
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
-    #[error("tokenizer.json in the archive does not load: {0}")]
+    #[error("the tokenizer in the archive does not load: {0}")]
     Load(String),
     #[error("encoding the prompt failed: {0}")]
     Encode(String),
@@ -95,6 +97,18 @@ impl std::io::Write for Bounded {
     }
 }
 
+/// The `tokenizers` tokenizer an archive describes: built from its SentencePiece vocabulary, or
+/// parsed from its `tokenizer.json` (exactly one of the two is there).
+fn library_tokenizer(info: &TokenizerInfo) -> Result<tokenizers::Tokenizer, TokenizerError> {
+    match (&info.sentencepiece, info.tokenizer_json.is_empty()) {
+        (Some(vocab), true) => guarded(TOKENIZER_JSON, "tokenizers", || "building it from the SentencePiece vocabulary".into(), || sentencepiece::build(vocab))?
+            .map_err(|e| TokenizerError::Load(e.to_string())),
+        (Some(_), false) => Err(TokenizerError::Load("both a tokenizer.json and a SentencePiece vocabulary: an archive has one".into())),
+        (None, _) => guarded(TOKENIZER_JSON, "tokenizers", || "parsing it".into(), || info.tokenizer_json.parse::<tokenizers::Tokenizer>())?
+            .map_err(|e| TokenizerError::Load(e.to_string())),
+    }
+}
+
 /// One chat message as HF templates expect it (`{"role": ..., "content": ...}`).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ChatMessage {
@@ -114,8 +128,7 @@ impl TextTokenizer {
     /// Parses the tokenizer JSON and exercises it ([`TextTokenizer::probe`]): a tokenizer that
     /// does not load, fails or panics is refused here.
     pub fn from_info(info: &TokenizerInfo) -> Result<Self, TokenizerError> {
-        let parsed = guarded(TOKENIZER_JSON, "tokenizers", || "parsing it".into(), || info.tokenizer_json.parse::<tokenizers::Tokenizer>())?;
-        let inner = parsed.map_err(|e| TokenizerError::Load(e.to_string()))?;
+        let inner = library_tokenizer(info)?;
         let t = TextTokenizer {
             inner,
             bos_token_id: info.bos_token_id,
@@ -125,6 +138,26 @@ impl TextTokenizer {
         };
         t.probe()?;
         Ok(t)
+    }
+
+    /// The kind of the library's model (`thin inspect`).
+    pub fn model_type(&self) -> &'static str {
+        match self.inner.get_model() {
+            tokenizers::ModelWrapper::BPE(_) => "BPE",
+            tokenizers::ModelWrapper::WordPiece(_) => "WordPiece",
+            tokenizers::ModelWrapper::WordLevel(_) => "WordLevel",
+            tokenizers::ModelWrapper::Unigram(_) => "Unigram",
+        }
+    }
+
+    /// Entries of the model's vocabulary, added tokens not counted.
+    pub fn model_vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(false)
+    }
+
+    /// Tokens split out of the text before the model sees it (special and user-defined).
+    pub fn added_token_count(&self) -> usize {
+        self.inner.get_added_tokens_decoder().len()
     }
 
     /// Encodes and decodes [`PROBE_TEXT`], then decodes every id of the vocabulary in one call
@@ -257,6 +290,7 @@ mod tests {
             .expect("fixture tokenizer");
         TokenizerInfo {
             tokenizer_json: json,
+            sentencepiece: None,
             chat_template: template.map(str::to_string),
             bos_token_id: Some(1),
             eos_token_ids: vec![2],
@@ -347,6 +381,18 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(!in_guarded_call());
+    }
+
+    /// An archive's tokenizer is a tokenizer.json or a SentencePiece vocabulary, not both; a
+    /// vocabulary that does not hold together is a load error.
+    #[test]
+    fn stored_sentencepiece_vocabulary_is_checked() {
+        let mut info = byte_level_info(None);
+        let vocab = crate::manifest::SentencePieceVocab { tokens: vec!["a".into()], scores: vec![0.0], types: vec![1], unknown_token_id: None };
+        info.sentencepiece = Some(vocab);
+        assert!(matches!(TextTokenizer::from_info(&info), Err(TokenizerError::Load(m)) if m.contains("both")));
+        info.tokenizer_json.clear();
+        assert!(matches!(TextTokenizer::from_info(&info), Err(TokenizerError::Load(m)) if m.contains("<0x00>")));
     }
 
     #[test]

@@ -49,6 +49,7 @@ pub fn tiny_manifest(arch: ArchConfig) -> Manifest {
         arch,
         tokenizer: TokenizerInfo {
             tokenizer_json: r#"{"version":"1.0","model":{"type":"WordLevel","vocab":{"a":0},"unk_token":"a"}}"#.into(),
+            sentencepiece: None,
             chat_template: Some("{{ messages }}".into()),
             bos_token_id: Some(1),
             eos_token_ids: vec![2],

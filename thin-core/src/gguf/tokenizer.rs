@@ -6,30 +6,17 @@
 //! tokens.
 //!
 //! For `"llama"` (SentencePiece, as Gemma's GGUFs carry it: tokens, scores, token types, `<0xXX>`
-//! byte tokens) it builds the BPE that encodes as llama.cpp's `llm_tokenizer_spm` does: spaces
-//! become `▁`, adjacent pieces merge highest score first into a token of the vocabulary, and what
-//! no token covers falls back to byte tokens. SentencePiece stores scores, not merges, so the
-//! merges are derived from them as transformers' `SentencePieceExtractor` does: every split of a
-//! token into two tokens, ranked by the whole token's score. Control, user-defined and unknown
-//! tokens are added tokens, split out of the text before the merges (llama.cpp's
-//! `tokenizer_st_partition`).
+//! byte tokens) it keeps the vocabulary itself ([`SentencePieceVocab`]); the tokenizer that
+//! encodes as llama.cpp's `llm_tokenizer_spm` is built from it by
+//! [`crate::tokenizer::sentencepiece`], at convert and at every open.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
 
 use serde_json::{json, Map, Value};
 
 use super::{get_str, get_u64, GgufError, GgufValue};
-use crate::manifest::TokenizerInfo;
-
-// llama.cpp's `llama_token_type` (the values of `tokenizer.ggml.token_type`).
-const TOKEN_TYPE_UNKNOWN: i64 = 2;
-const TOKEN_TYPE_CONTROL: i64 = 3;
-const TOKEN_TYPE_USER_DEFINED: i64 = 4;
-const TOKEN_TYPE_BYTE: i64 = 6;
-
-/// Bytes hashed while deriving SentencePiece merges (the sum of every token's length squared):
-/// Gemma 3's 262,144 tokens take 26.5M; a vocabulary of huge tokens is refused before the work.
-pub const MAX_SENTENCEPIECE_MERGE_WORK: u64 = 1 << 30;
+use crate::manifest::{SentencePieceVocab, TokenizerInfo};
+use crate::tokenizer::sentencepiece::{self, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED};
 
 fn string_array<'m>(meta: &'m BTreeMap<String, GgufValue>, key: &str) -> Result<Option<Vec<&'m str>>, GgufError> {
     match meta.get(key) {
@@ -131,43 +118,39 @@ pub fn tokenizer_from_gguf(meta: &BTreeMap<String, GgufValue>) -> Result<Tokeniz
         });
     }
 
-    let mut vocab = Map::new();
-    for (i, t) in tokens.iter().enumerate() {
-        vocab.insert((*t).to_string(), Value::from(i as u64));
-    }
-    let added_types: &[i64] = if sentencepiece {
-        &[TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED, TOKEN_TYPE_UNKNOWN]
+    let (tokenizer_json, sentencepiece) = if sentencepiece {
+        (String::new(), Some(sentencepiece_vocab(meta, &tokens, &types)?))
     } else {
-        &[TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED]
-    };
-    let added: Vec<Value> = types
-        .iter()
-        .enumerate()
-        .filter(|(_, ty)| added_types.contains(ty))
-        .map(|(i, _)| {
-            json!({
-                "id": i as u64,
-                "content": tokens[i],
-                "single_word": false,
-                "lstrip": false,
-                "rstrip": false,
-                "normalized": false,
-                "special": true,
+        let mut vocab = Map::new();
+        for (i, t) in tokens.iter().enumerate() {
+            vocab.insert((*t).to_string(), Value::from(i as u64));
+        }
+        let added: Vec<Value> = types
+            .iter()
+            .enumerate()
+            .filter(|(_, &ty)| ty == TOKEN_TYPE_CONTROL as i64 || ty == TOKEN_TYPE_USER_DEFINED as i64)
+            .map(|(i, _)| {
+                json!({
+                    "id": i as u64,
+                    "content": tokens[i],
+                    "single_word": false,
+                    "lstrip": false,
+                    "rstrip": false,
+                    "normalized": false,
+                    "special": true,
+                })
             })
-        })
-        .collect();
-    let tok = if sentencepiece {
-        sentencepiece_bpe(meta, &tokens, &types, vocab, added)?
-    } else {
-        gpt2_bpe(meta, vocab, added)?
+            .collect();
+        let tok = gpt2_bpe(meta, vocab, added)?;
+        (serde_json::to_string(&tok).map_err(|e| GgufError::TokenizerJson(e.to_string()))?, None)
     };
-    let tokenizer_json = serde_json::to_string(&tok).map_err(|e| GgufError::TokenizerJson(e.to_string()))?;
     let bos_token_id = token_id(meta, "tokenizer.ggml.bos_token_id", tokens.len())?;
     let eos = token_id(meta, "tokenizer.ggml.eos_token_id", tokens.len())?;
     let add_bos = bool_key(meta, "tokenizer.ggml.add_bos_token")?.unwrap_or(false);
     let chat_template = get_str(meta, "tokenizer.chat_template")?.map(str::to_string);
     Ok(TokenizerInfo {
         tokenizer_json,
+        sentencepiece,
         chat_template,
         bos_token_id,
         eos_token_ids: eos.into_iter().collect(),
@@ -212,15 +195,9 @@ fn gpt2_bpe(meta: &BTreeMap<String, GgufValue>, vocab: Map<String, Value>, added
     }))
 }
 
-/// SentencePiece BPE from the vocab's scores (module doc): `▁` for spaces, merges ranked by score,
-/// `<0xXX>` byte fallback; decoding turns `▁` back into spaces and byte tokens into bytes.
-fn sentencepiece_bpe(
-    meta: &BTreeMap<String, GgufValue>,
-    tokens: &[&str],
-    types: &[i64],
-    vocab: Map<String, Value>,
-    added: Vec<Value>,
-) -> Result<Value, GgufError> {
+/// The SentencePiece vocabulary as the GGUF has it, checked as the tokenizer built from it needs
+/// ([`sentencepiece::check`]).
+fn sentencepiece_vocab(meta: &BTreeMap<String, GgufValue>, tokens: &[&str], types: &[i64]) -> Result<SentencePieceVocab, GgufError> {
     // llama.cpp prepends a space to every text fragment unless the GGUF says false (its default).
     if bool_key(meta, "tokenizer.ggml.add_space_prefix")?.unwrap_or(true) {
         return Err(GgufError::BadValue {
@@ -238,70 +215,23 @@ fn sentencepiece_bpe(
             reason: format!("{} scores for {} tokens", scores.len(), tokens.len()),
         });
     }
-    let byte_tokens: HashSet<&str> = tokens.iter().zip(types).filter(|&(_, &ty)| ty == TOKEN_TYPE_BYTE).map(|(t, _)| *t).collect();
-    for b in 0..=255u8 {
-        let piece = format!("<0x{b:02X}>");
-        if !byte_tokens.contains(piece.as_str()) {
-            return Err(GgufError::BadValue {
-                key: "tokenizer.ggml.tokens".into(),
-                reason: format!("no byte token {piece} (type {TOKEN_TYPE_BYTE}) for the byte fallback"),
-            });
-        }
-    }
-    let work = tokens.iter().fold(0u64, |w, t| w.saturating_add((t.len() as u64).saturating_mul(t.len() as u64)));
-    if work > MAX_SENTENCEPIECE_MERGE_WORK {
-        return Err(GgufError::BadValue {
-            key: "tokenizer.ggml.tokens".into(),
-            reason: format!(
-                "deriving merges from these tokens would hash {work} bytes (their lengths squared), more than {MAX_SENTENCEPIECE_MERGE_WORK}"
-            ),
-        });
-    }
-    // llama.cpp merges two pieces whenever their concatenation is any token of the vocabulary
-    // (user-defined "▁▁" included; the last token of a repeated text wins, as in its map).
-    let by_text: HashMap<&str, usize> = tokens.iter().enumerate().map(|(i, t)| (*t, i)).collect();
-    let mut merges: Vec<(f32, usize, &str, &str)> = Vec::new();
-    for (&whole, &id) in &by_text {
-        for (at, _) in whole.char_indices().skip(1) {
-            let (left, right) = whole.split_at(at);
-            if by_text.contains_key(left) && by_text.contains_key(right) {
-                merges.push((scores[id], id, left, right));
-            }
-        }
-    }
-    // Highest score first, as llama.cpp's work queue. Among equal scores llama.cpp merges the
-    // leftmost pair; ranking the longer token first does the same for runs of one piece (Gemma's
-    // "▁▁".."▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁", all scored -1000): the leftmost symbol grows first.
-    let whole_len = |m: &(f32, usize, &str, &str)| m.2.len() + m.3.len();
-    merges.sort_by(|a, b| b.0.total_cmp(&a.0).then(whole_len(b).cmp(&whole_len(a))).then(a.1.cmp(&b.1)).then(a.2.len().cmp(&b.2.len())));
-    let merge_list: Vec<Value> = merges.iter().map(|&(_, _, l, r)| json!([l, r])).collect();
-    let unk = token_id(meta, "tokenizer.ggml.unknown_token_id", tokens.len())?.map(|id| tokens[id as usize]);
-    Ok(json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"},
-        "pre_tokenizer": null,
-        "post_processor": null,
-        "decoder": {"type": "Sequence", "decoders": [
-            {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
-            {"type": "ByteFallback"},
-            {"type": "Fuse"},
-        ]},
-        "model": {
-            "type": "BPE",
-            "dropout": null,
-            "unk_token": unk,
-            "continuing_subword_prefix": null,
-            "end_of_word_suffix": null,
-            "fuse_unk": true,
-            "byte_fallback": true,
-            "ignore_merges": false,
-            "vocab": vocab,
-            "merges": merge_list,
-        },
-    }))
+    let types = types
+        .iter()
+        .map(|&ty| {
+            i32::try_from(ty).map_err(|_| GgufError::BadValue { key: "tokenizer.ggml.token_type".into(), reason: format!("token type {ty}") })
+        })
+        .collect::<Result<Vec<i32>, _>>()?;
+    let vocab = SentencePieceVocab {
+        tokens: tokens.iter().map(|t| t.to_string()).collect(),
+        scores,
+        types,
+        unknown_token_id: token_id(meta, "tokenizer.ggml.unknown_token_id", tokens.len())?,
+    };
+    sentencepiece::check(&vocab).map_err(|e| GgufError::BadValue {
+        key: format!("tokenizer.ggml.{}", if e.field == "types" { "token_type" } else { e.field }),
+        reason: e.reason,
+    })?;
+    Ok(vocab)
 }
 
 #[cfg(test)]
@@ -403,7 +333,8 @@ mod tests {
     fn sentencepiece_tokenizer_merges_by_score_and_falls_back_to_bytes() {
         let info = tokenizer_from_gguf(&spm_meta()).expect("tokenizer");
         assert_eq!((info.bos_token_id, info.eos_token_ids.as_slice(), info.add_bos), (Some(2), &[1][..], true));
-        let tk: tokenizers::Tokenizer = info.tokenizer_json.parse().expect("tokenizer.json loads");
+        assert!(info.tokenizer_json.is_empty(), "the vocabulary is stored, not a tokenizer.json");
+        let tk = sentencepiece::build(info.sentencepiece.as_ref().expect("a SentencePiece vocabulary")).expect("builds");
         let id = |t: &str| tk.token_to_id(t).expect(t);
         let text = "hello hello<start_of_turn>hé\nx";
         let enc = tk.encode(text, false).expect("encode");
