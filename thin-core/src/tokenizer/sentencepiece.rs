@@ -48,12 +48,16 @@ impl std::fmt::Display for VocabError {
     }
 }
 
-/// Everything [`build`] needs to hold before it sizes or hashes anything: one score and one type
-/// per token, an unknown id inside the vocabulary, all 256 byte tokens, bounded merge work.
+/// Everything [`build`] needs to hold before it sizes or hashes anything: one finite score and one
+/// type per token, an unknown id inside the vocabulary, all 256 byte tokens, bounded merge work.
 pub fn check(v: &SentencePieceVocab) -> Result<(), VocabError> {
     let n = v.tokens.len();
     if v.scores.len() != n {
         return Err(VocabError { field: "scores", reason: format!("{} scores for {n} tokens", v.scores.len()) });
+    }
+    if let Some(i) = v.scores.iter().position(|s| !s.is_finite()) {
+        // The manifest is JSON, which has no NaN or infinity: such a score could not be stored.
+        return Err(VocabError { field: "scores", reason: format!("token {i}'s score is {}, not a finite number", v.scores[i]) });
     }
     if v.types.len() != n {
         return Err(VocabError { field: "types", reason: format!("{} types for {n} tokens", v.types.len()) });
@@ -182,6 +186,10 @@ mod tests {
             v.scores.pop();
         });
         assert_eq!((e.field, e.reason.as_str()), ("scores", "264 scores for 265 tokens"));
+        let e = err(&|v| v.scores[7] = f32::NAN);
+        assert_eq!((e.field, e.reason.as_str()), ("scores", "token 7's score is NaN, not a finite number"));
+        let e = err(&|v| v.scores[9] = f32::NEG_INFINITY);
+        assert_eq!((e.field, e.reason.as_str()), ("scores", "token 9's score is -inf, not a finite number"));
         let e = err(&|v| v.types.push(1));
         assert_eq!((e.field, e.reason.as_str()), ("types", "266 types for 265 tokens"));
         let e = err(&|v| v.unknown_token_id = Some(265));
