@@ -688,6 +688,25 @@ pub struct AttnParams {
     pub softcap: Option<f32>,
 }
 
+impl AttnParams {
+    /// The first position query position `pos` attends to (inside its window, if any).
+    fn first_position(&self, pos: usize) -> usize {
+        self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    }
+}
+
+/// The rest of one head's attention once its raw scores `q . k_t` for positions `start..` are in:
+/// scale, softcap, softmax, then `o` = the values weighted by them ([`weighted_values`]). The one
+/// sequence both [`attention`] and [`attention_prompt`] run, so their outputs share its bits.
+fn attend(scores: &mut [f32], p: AttnParams, v: &[f32], stride: usize, start: usize, o: &mut [f32]) {
+    scores.iter_mut().for_each(|s| *s *= p.scale);
+    if let Some(cap) = p.softcap {
+        softcap(scores, cap);
+    }
+    softmax(scores);
+    weighted_values(scores, v, stride, start, o);
+}
+
 /// One query position `pos` against a KV cache laid out `[max_seq, kv_heads, head_dim]`
 /// (positions `0..=pos` filled). GQA: query head `h` reads kv head `h / (heads / kv_heads)`.
 pub fn attention(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos: usize, p: AttnParams, out: &mut [f32]) {
@@ -697,21 +716,13 @@ pub fn attention(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos: usize, p: Att
     assert_eq!(out.len(), p.num_heads * hd);
     assert!(k_cache.len() >= (pos + 1) * kv_dim);
     let group = p.num_heads / p.num_kv_heads;
-    let start = match p.window {
-        Some(w) => (pos + 1).saturating_sub(w),
-        None => 0,
-    };
+    let start = p.first_position(pos);
     let head = |h: usize, o: &mut [f32]| {
         let kvh = h / group;
         let qh = &q[h * hd..(h + 1) * hd];
         let mut scores = Vec::with_capacity(pos + 1 - start);
         attention_scores(qh, &k_cache[kvh * hd..], kv_dim, start..pos + 1, &mut scores);
-        scores.iter_mut().for_each(|s| *s *= p.scale);
-        if let Some(cap) = p.softcap {
-            softcap(&mut scores, cap);
-        }
-        softmax(&mut scores);
-        weighted_values(&scores, &v_cache[kvh * hd..], kv_dim, start, o);
+        attend(&mut scores, p, &v_cache[kvh * hd..], kv_dim, start, o);
     };
     // Heads are independent: parallel once there is enough work to pay for a pool region.
     if p.num_heads * (pos + 1 - start) * hd >= MIN_TASK_ELEMS {
@@ -771,7 +782,7 @@ pub fn attention_prompt(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos0: usize
         let mut scores = Vec::with_capacity(end);
         for r in block * PROMPT_ROWS_PER_TASK..((block + 1) * PROMPT_ROWS_PER_TASK).min(rows) {
             let pos = pos0 + r;
-            let start = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let start = p.first_position(pos);
             let qh = &q[r * q_dim + h * hd..][..hd];
             // SAFETY: (row r, head h) belongs to this task alone.
             let o = unsafe { shared.range(r * q_dim + h * hd..r * q_dim + (h + 1) * hd) };
@@ -781,8 +792,8 @@ pub fn attention_prompt(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos0: usize
     pool::for_each_task(p.num_heads * blocks, task);
 }
 
-/// One head of one prompt row: scores from the key tiles, then scale, softcap and softmax as in
-/// [`attention`], then the values summed in position order.
+/// One head of one prompt row: scores from the key tiles, then the rest as in [`attention`]
+/// ([`attend`]).
 #[allow(clippy::too_many_arguments)]
 fn prompt_head_row(q: &[f32], tiles: &[f32], v: &[f32], stride: usize, positions: Range<usize>, p: AttnParams, scores: &mut Vec<f32>, o: &mut [f32]) {
     let tile = q.len() * KEY_TILE;
@@ -792,13 +803,7 @@ fn prompt_head_row(q: &[f32], tiles: &[f32], v: &[f32], stride: usize, positions
     scores.resize((last + 1 - first) * KEY_TILE, 0.0);
     tile_scores(q, &tiles[first * tile..(last + 1) * tile], scores);
     let skip = positions.start - first * KEY_TILE;
-    let scores = &mut scores[skip..skip + positions.len()];
-    scores.iter_mut().for_each(|s| *s *= p.scale);
-    if let Some(cap) = p.softcap {
-        softcap(scores, cap);
-    }
-    softmax(scores);
-    weighted_values(scores, v, stride, positions.start, o);
+    attend(&mut scores[skip..skip + positions.len()], p, v, stride, positions.start, o);
 }
 
 /// `o = sum_t w[t] v_(start + t)` with `v_t = v[t * stride..][..o.len()]`, each output summed in
