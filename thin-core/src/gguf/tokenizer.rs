@@ -208,13 +208,8 @@ fn sentencepiece_vocab(meta: &BTreeMap<String, GgufValue>, tokens: &[&str], type
     if types.is_empty() {
         return Err(GgufError::MissingKey("tokenizer.ggml.token_type".into()));
     }
+    // Counts, byte tokens and bounds are `sentencepiece::check`'s, below.
     let scores = f32_array(meta, "tokenizer.ggml.scores")?.ok_or_else(|| GgufError::MissingKey("tokenizer.ggml.scores".into()))?;
-    if scores.len() != tokens.len() {
-        return Err(GgufError::BadValue {
-            key: "tokenizer.ggml.scores".into(),
-            reason: format!("{} scores for {} tokens", scores.len(), tokens.len()),
-        });
-    }
     let types = types
         .iter()
         .map(|&ty| {
