@@ -527,21 +527,30 @@ pub fn matvec(w: WeightView<'_>, x: &[f32], out: &mut [f32]) {
         out.iter_mut().for_each(|o| *o = 0.0);
         return;
     }
+    // Q8_0 on AVX-512 VNNI takes x as integers, made once for all tasks.
+    let xi = (matches!(w, WeightView::Q8_0 { .. }) && Isa::best().int8_dot()).then(|| codecs::q8_0::IntX::new(x));
+    let rows = |row0: usize, o: &mut [f32]| match (&xi, w.rows(row0, row0 + o.len(), x.len())) {
+        (Some(xi), WeightView::Q8_0 { blocks, .. }) => {
+            codecs::q8_0::matvec_rows_int(blocks, xi, x, o).expect("a view's rows were checked when it was made")
+        }
+        _ => rows_of(w, x, row0, o),
+    };
     let (n_out, chunk) = (out.len(), rows_per_task(out.len(), x.len()));
     if chunk >= n_out {
-        return rows_of(w, x, 0, out);
+        return rows(0, out);
     }
     let out = SharedOut::new(out);
     pool::for_each_task(n_out.div_ceil(chunk), |c| {
-        let rows = c * chunk..((c + 1) * chunk).min(n_out);
+        let range = c * chunk..((c + 1) * chunk).min(n_out);
         // SAFETY: task c alone writes rows c * chunk .. (c + 1) * chunk.
-        rows_of(w, x, rows.start, unsafe { out.range(rows) });
+        rows(range.start, unsafe { out.range(range) });
     });
 }
 
 /// `out[t, o] = sum_i w[o, i] * x[t, i]` for `t` rows of `x` (`[t, in]` row-major). Each output
-/// equals what [`matvec`] gives for that row of `x`, bit for bit, except for bf16 weights on AVX-512
-/// BF16 ([`gemm_bf16dot`]: within 1e-4 relative). The pool splits the weight rows,
+/// equals what [`matvec`] gives for that row of `x`, bit for bit, except where a dot-product level
+/// ([`Isa::Avx512Dot`]) changes the numbers within 1e-4 relative: bf16 weights here on AVX-512 BF16
+/// ([`gemm_bf16dot`]), Q8_0 weights in [`matvec`] on AVX-512 VNNI. The pool splits the weight rows,
 /// and each task runs all rows of `x` over its rows while they are in cache: weights are read once.
 pub fn matmul(w: WeightView<'_>, x: &[f32], n_in: usize, out: &mut [f32]) {
     assert!(n_in > 0, "matmul with n_in = 0");
@@ -1180,7 +1189,7 @@ mod tests {
 
     #[test]
     fn bf16_dot_prefill_is_within_1e_4_of_the_exact_kernels() {
-        if !Isa::Avx512Bf16.bf16_dot() {
+        if !Isa::Avx512Dot.bf16_dot() {
             eprintln!("this CPU has no AVX-512 BF16: the dot-product GEMM is not built for it");
             return;
         }

@@ -22,7 +22,10 @@
 //! `i % 32` of each 32-element chunk. After the last block the lanes are reduced pairwise (halves
 //! added: 16 + 16, 8 + 8, 4 + 4, ...), the FP8 tail (`cols % 32` elements, added in order) is
 //! added and the FP8 sum multiplied by 256, then the row scale/postscale multiplies once. Products
-//! are a multiply then an add (no fused multiply-add). Decoding is exact in every kernel.
+//! are a multiply then an add (no fused multiply-add). Decoding is exact in every kernel. One
+//! kernel leaves this order on purpose, at the dot-product level ([`Isa::Avx512Dot`]): Q8_0 decode
+//! on AVX-512 VNNI (`q8_0::matvec_rows_int`) sums integer products, within 1e-4 relative of the
+//! exact sum.
 //!
 //! Bad data is found without a cost in the hot loop: a NaN code or scale makes the row's dot NaN
 //! (or infinite), and only then is the row scanned to name the culprit as a [`CodecError`]. A

@@ -281,6 +281,175 @@ mod avx512 {
     }
 }
 
+/// An input vector as integers for Q8_0 decode on AVX-512 VNNI ([`matvec_rows_int`]): each
+/// 32-element block `b` of `x` is `X_i * 2^e_b` with `X_i` a signed 24-bit integer (`2^e_b` the power
+/// of two that puts the block's largest `|x_i|` in `[2^22, 2^23)`, so `X_i` is `x_i` to within
+/// 2^-23 of that largest value), stored as the three bytes of `X_i + 2^23`. Made once per matvec
+/// and shared by every task; `vpdpbusd` (unsigned byte x signed byte, four products summed into an
+/// i32) then multiplies a block's 32 weights by each byte exactly.
+pub struct IntX {
+    /// `3 * cols` bytes: byte 0 (low) of every element, then byte 1, then byte 2.
+    digits: Vec<u8>,
+    /// `2^e_b` per block: 0 for an all-zero block, NaN for one holding a non-finite value.
+    scales: Vec<f32>,
+}
+
+impl IntX {
+    /// `x` (`x.len()` a multiple of 32) as integers per block.
+    pub fn new(x: &[f32]) -> IntX {
+        let cols = x.len() / BLOCK * BLOCK;
+        let mut xi = IntX { digits: vec![0u8; 3 * cols], scales: vec![0.0; cols / BLOCK] };
+        #[cfg(target_arch = "x86_64")]
+        if Isa::best().int8_dot() {
+            // SAFETY: `int8_dot` says this CPU runs AVX-512 VNNI (and so F, BW, VL).
+            unsafe { vnni::int_x(&x[..cols], &mut xi) };
+            return xi;
+        }
+        for (b, xb) in x[..cols].chunks_exact(BLOCK).enumerate() {
+            xi.set_block(b, xb);
+        }
+        xi
+    }
+
+    /// Block `b` from its 32 values `xb`: what `vnni::int_x` writes, bit for bit (ties round to
+    /// even in both).
+    fn set_block(&mut self, b: usize, xb: &[f32]) {
+        let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        // amax in [2^e, 2^(e+1)); e at least -127 (a block of subnormals is then held exactly, in
+        // fewer bits), so that 2^(e - 22) is an f32.
+        let e = (amax.to_bits() >> 23) as i32 - 127;
+        let (scale, up) = if !xb.iter().all(|v| v.is_finite()) {
+            (f32::NAN, 0.0)
+        } else if amax == 0.0 {
+            (0.0, 0.0)
+        } else {
+            (2f64.powi(e - 22) as f32, 2f64.powi(22 - e))
+        };
+        self.scales[b] = scale;
+        let cols = self.cols();
+        for (i, &v) in xb.iter().enumerate() {
+            let q = ((v as f64 * up).round_ties_even() as i64).clamp(-(1 << 23) + 1, (1 << 23) - 1);
+            let u = (q + (1 << 23)) as u32;
+            for (k, d) in self.digits.chunks_exact_mut(cols).enumerate() {
+                d[b * BLOCK + i] = (u >> (8 * k)) as u8;
+            }
+        }
+    }
+
+    fn cols(&self) -> usize {
+        self.digits.len() / 3
+    }
+}
+
+/// [`matvec_rows`] with `x` as [`IntX`] on AVX-512 VNNI: not the exact kernels' bits but within
+/// 1e-4 relative of their sum (test `int_dot_is_within_1e_4_of_the_exact_kernels`): each block's
+/// `sum qs_i X_i` is exact in integers, one f32 rounding joins its three byte sums, and `d_b 2^e_b`
+/// multiplies it into the row's f32 lanes. Falls back to the exact kernels (with `x`) on a CPU
+/// without VNNI or below [`Isa::Avx512Dot`].
+pub fn matvec_rows_int(blocks: &[u8], xi: &IntX, x: &[f32], out: &mut [f32]) -> Result<(), CodecError> {
+    let n = elems(NAME, out.len(), x.len())?;
+    check_blocks(NAME, BLOCK_BYTES, x.len(), x.len() / BLOCK * BLOCK_BYTES)?;
+    check_len(NAME, "integer x", x.len(), xi.cols())?;
+    check_blocks(NAME, BLOCK_BYTES, n, blocks.len())?;
+    match () {
+        // SAFETY: `int8_dot` says this CPU runs AVX-512 VNNI (and so F, BW, VL).
+        #[cfg(target_arch = "x86_64")]
+        () if Isa::best().int8_dot() => unsafe { vnni::rows(blocks, xi, out) },
+        () => rows_dispatch(Isa::best(), blocks, x, out),
+    }
+    check_nonfinite_rows(NAME, BLOCK_BYTES, &[0], blocks, x.len(), out)
+}
+
+/// AVX-512 VNNI (256-bit registers): a block's 32 weights against each byte of [`IntX`] in one
+/// `vpdpbusd`, 8 i32 lanes of four products each.
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    use super::super::x86::{f16_to_f32, sum8};
+    use super::super::BLOCK;
+    use super::{IntX, BLOCK_BYTES};
+    use std::arch::x86_64::*;
+
+    /// [`IntX::new`] on AVX-512: the blocks whose largest `|x_i|` is at least 2^-105 (so that
+    /// 2^(22 - e) is an f32 and `x_i * 2^(22 - e)` exact) sixteen lanes at a time; others, and
+    /// blocks holding a non-finite value, through [`IntX::set_block`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+    pub fn int_x(x: &[f32], xi: &mut IntX) {
+        let cols = x.len();
+        let (lim, bias) = (_mm512_set1_epi32((1 << 23) - 1), _mm512_set1_epi32(1 << 23));
+        for (b, xb) in x.chunks_exact(BLOCK).enumerate() {
+            // SAFETY: xb.len() == 32; unaligned loads.
+            let (x0, x1) = unsafe { (_mm512_loadu_ps(xb.as_ptr()), _mm512_loadu_ps(xb.as_ptr().add(16))) };
+            let abs = |v: __m512| _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fff_ffff));
+            let top = _mm512_max_epu32(abs(x0), abs(x1));
+            let amax = _mm512_reduce_max_epu32(top);
+            let e = (amax >> 23) as i32 - 127;
+            if amax >= 0x7f80_0000 || e < -105 || amax == 0 {
+                xi.set_block(b, xb);
+                continue;
+            }
+            xi.scales[b] = if e - 22 >= -126 { f32::from_bits(((e - 22 + 127) as u32) << 23) } else { 2f32.powi(e - 22) };
+            let up = _mm512_set1_ps(f32::from_bits(((22 - e + 127) as u32) << 23));
+            for (h, v) in [x0, x1].into_iter().enumerate() {
+                let q = _mm512_cvtps_epi32(_mm512_mul_ps(v, up));
+                let u = _mm512_add_epi32(_mm512_max_epi32(_mm512_min_epi32(q, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim)), bias);
+                for k in 0..3 {
+                    let d = _mm512_cvtepi32_epi8(_mm512_srlv_epi32(u, _mm512_set1_epi32(8 * k as i32)));
+                    // SAFETY: k * cols + 32 b + 16 h + 16 <= 3 cols; unaligned store.
+                    unsafe { _mm_storeu_si128(xi.digits.as_mut_ptr().add(k * cols + BLOCK * b + 16 * h) as *mut __m128i, d) };
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512vnni,avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub fn rows(blocks: &[u8], xi: &IntX, out: &mut [f32]) {
+        let cols = xi.cols();
+        let nb = cols / BLOCK;
+        let row_bytes = nb * BLOCK_BYTES;
+        assert!(blocks.len() == out.len() * row_bytes);
+        let (d0, d1, d2) = (xi.digits.as_ptr(), xi.digits[cols..].as_ptr(), xi.digits[2 * cols..].as_ptr());
+        let bias = _mm256_set1_epi8(-128);
+        let zero = _mm256_setzero_si256();
+        // Block b's `sum qs_i X_i` as f32 lanes times `d_b 2^e_b`.
+        let block = |blk: &[u8], b: usize| {
+            // SAFETY: 2 + 32 == blk.len(); 32 b + 32 <= cols for each digit row; unaligned loads.
+            let (q, u0, u1, u2) = unsafe {
+                (
+                    _mm256_loadu_si256(blk.as_ptr().add(2) as *const __m256i),
+                    _mm256_loadu_si256(d0.add(BLOCK * b) as *const __m256i),
+                    _mm256_loadu_si256(d1.add(BLOCK * b) as *const __m256i),
+                    _mm256_loadu_si256(d2.add(BLOCK * b) as *const __m256i),
+                )
+            };
+            let s0 = _mm256_dpbusd_epi32(zero, u0, q);
+            let s1 = _mm256_dpbusd_epi32(zero, u1, q);
+            // The top byte holds X_i / 2^16 + 128: take 128 * sum(qs) back off, exactly.
+            let s2 = _mm256_sub_epi32(_mm256_dpbusd_epi32(zero, u2, q), _mm256_dpbusd_epi32(zero, bias, q));
+            let t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_set1_ps(256.0), _mm256_cvtepi32_ps(s0));
+            let t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s2), _mm256_set1_ps(65536.0), t);
+            (t, f16_to_f32(u16::from_le_bytes([blk[0], blk[1]])) * xi.scales[b])
+        };
+        for (r, o) in out.iter_mut().enumerate() {
+            let row = &blocks[r * row_bytes..(r + 1) * row_bytes];
+            // Two accumulators, even and odd blocks: one would wait on the previous block's add.
+            let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let pairs = row.chunks_exact(2 * BLOCK_BYTES);
+            let last = pairs.remainder();
+            for (k, pair) in pairs.enumerate() {
+                let (t, d) = block(&pair[..BLOCK_BYTES], 2 * k);
+                even = _mm256_fmadd_ps(t, _mm256_set1_ps(d), even);
+                let (t, d) = block(&pair[BLOCK_BYTES..], 2 * k + 1);
+                odd = _mm256_fmadd_ps(t, _mm256_set1_ps(d), odd);
+            }
+            if !last.is_empty() {
+                let (t, d) = block(last, nb - 1);
+                even = _mm256_fmadd_ps(t, _mm256_set1_ps(d), even);
+            }
+            *o = sum8(_mm256_add_ps(even, odd));
+        }
+    }
+}
+
 /// One row's dot with `x` (`x.len()` a multiple of 32; `blocks` that row's blocks).
 pub fn dot_row(blocks: &[u8], x: &[f32]) -> Result<f32, CodecError> {
     let mut out = [0.0f32];
@@ -489,6 +658,85 @@ mod tests {
             let mag: f64 = row.iter().zip(&x).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
             assert!((fast[r] as f64 - exact).abs() <= 1e-6 * mag, "row {r}");
         }
+    }
+
+    #[test]
+    fn int_x_holds_x_to_2_pow_minus_23_of_each_block_max() {
+        // Blocks: spread over ten binades, all zero, one tiny (subnormal range), a NaN.
+        let mut x: Vec<f32> = (0..32).map(|i| ((i * 37 % 23) as f32 - 11.0) * 2f32.powi(i % 10 - 5)).collect();
+        x.extend([0.0; 32]);
+        x.extend((0..32).map(|i| (i as f32 - 16.0) * 1e-40));
+        x.extend((0..32).map(|i| if i == 7 { f32::NAN } else { 1.0 }));
+        let xi = IntX::new(&x);
+        assert_eq!(xi.cols(), 128);
+        assert_eq!(xi.scales[1], 0.0);
+        assert!(xi.scales[3].is_nan());
+        for (b, xb) in x.chunks_exact(BLOCK).enumerate().take(3) {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+            for (i, &v) in xb.iter().enumerate() {
+                let j = b * BLOCK + i;
+                let u = xi.digits[j] as i64 | (xi.digits[128 + j] as i64) << 8 | (xi.digits[256 + j] as i64) << 16;
+                let back = (u - (1 << 23)) as f64 * xi.scales[b] as f64;
+                assert!((back - v as f64).abs() <= amax * 2f64.powi(-23), "block {b} element {i}: {back} for {v}");
+            }
+        }
+    }
+
+    #[test]
+    fn int_x_vector_and_scalar_write_the_same_bytes() {
+        // Ties (x * 2^(22 - e) = k + 0.5), the top value rounding up to 2^23, one lane per binade,
+        // tiny and subnormal blocks, an infinity, zeros.
+        let mut x: Vec<f32> = vec![1.0, 1.0 + 2f32.powi(-23), -1.5 - 2f32.powi(-22), 2.0 - 2f32.powi(-23)];
+        x.extend((4..32).map(|i| 2f32.powi(i - 20) * if i % 2 == 0 { 1.0 } else { -1.3 }));
+        x.extend((0..32).map(|i| (i as f32 - 15.5) * 2f32.powi(-104)));
+        x.extend((0..32).map(|i| (i as f32 - 15.5) * 2f32.powi(-110)));
+        x.extend((0..32).map(|i| if i == 3 { f32::INFINITY } else { 0.5 }));
+        x.extend([0.0; 32]);
+        x.extend((0..64).map(|i| ((i * 7919 % 211) as f32 - 105.0) / 17.0));
+        let mut scalar = IntX { digits: vec![0; 3 * x.len()], scales: vec![0.0; x.len() / BLOCK] };
+        for (b, xb) in x.chunks_exact(BLOCK).enumerate() {
+            scalar.set_block(b, xb);
+        }
+        let got = IntX::new(&x);
+        assert_eq!(got.digits, scalar.digits);
+        assert_eq!(format!("{:?}", got.scales), format!("{:?}", scalar.scales));
+    }
+
+    #[test]
+    fn int_dot_is_within_1e_4_of_the_exact_kernels() {
+        // 9 rows x 576 columns (SmolLM2's), weights and x over several binades, one all-zero x block.
+        let (rows, cols) = (9, 576);
+        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 211) as f32 - 105.0) / 17.0 * 2f32.powi((i % 5) as i32 - 2)).collect();
+        let mut b = vec![0u8; rows * cols / BLOCK * BLOCK_BYTES];
+        quantize_row(&w, &mut b).unwrap();
+        let mut x: Vec<f32> = (0..cols).map(|i| ((i * 104729 % 97) as f32 - 48.0) / 9.0 * 2f32.powi((i % 7) as i32 - 3)).collect();
+        x[64..96].iter_mut().for_each(|v| *v = 0.0);
+        let (mut exact, mut int) = (vec![0f32; rows], vec![0f32; rows]);
+        matvec_rows_on(Isa::Avx512, &b, &x, &mut exact).unwrap();
+        matvec_rows_int(&b, &IntX::new(&x), &x, &mut int).unwrap();
+        let mut deq = vec![0f32; rows * cols];
+        dequantize(&b, cols, &mut deq).unwrap();
+        for r in 0..rows {
+            let mag: f64 = deq[r * cols..(r + 1) * cols].iter().zip(&x).map(|(&a, &v)| (a as f64 * v as f64).abs()).sum();
+            let err = (int[r] as f64 - exact[r] as f64).abs() / mag;
+            assert!(err <= 1e-4, "row {r}: {} against {} ({err:.2e} of sum |wx|)", int[r], exact[r]);
+            if Isa::best().int8_dot() {
+                // Far inside the bound: one rounding of x to 24 bits and of each block's sum.
+                assert!(err <= 1e-6, "row {r}: {err:.2e}");
+            }
+        }
+        // A NaN in x gives a NaN row, as the exact kernels do (x's fault: not an error).
+        x[100] = f32::NAN;
+        matvec_rows_int(&b, &IntX::new(&x), &x, &mut int).unwrap();
+        assert!(int.iter().all(|v| v.is_nan()));
+        // A NaN scale is named.
+        let mut bad = b.clone();
+        bad[BLOCK_BYTES * 20..BLOCK_BYTES * 20 + 2].copy_from_slice(&h(f32::NAN));
+        x[100] = 1.0;
+        assert_eq!(matvec_rows_int(&bad, &IntX::new(&x), &x, &mut int), Err(CodecError::NonFinite { dtype: NAME, block: 20 }));
+        // Shapes: an IntX of another length, a partial block.
+        assert!(matches!(matvec_rows_int(&b, &IntX::new(&x[..544]), &x, &mut int), Err(CodecError::Length { .. })));
+        assert!(matches!(matvec_rows_int(&b[..34], &IntX::new(&x[..32]), &x[..40], &mut int[..1]), Err(CodecError::PartialBlock { .. })));
     }
 
     #[test]
