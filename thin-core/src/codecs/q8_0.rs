@@ -284,21 +284,25 @@ mod avx512 {
 /// An input vector as integers for Q8_0 decode on AVX-512 VNNI ([`matvec_rows_int`]): each
 /// 32-element block `b` of `x` is `X_i * 2^e_b` with `X_i` a signed 24-bit integer (`2^e_b` the power
 /// of two that puts the block's largest `|x_i|` in `[2^22, 2^23)`, so `X_i` is `x_i` to within
-/// 2^-23 of that largest value), stored as the three bytes of `X_i + 2^23`. Made once per matvec
-/// and shared by every task; `vpdpbusd` (unsigned byte x signed byte, four products summed into an
-/// i32) then multiplies a block's 32 weights by each byte exactly.
+/// 2^-23 of that largest value), stored as three bytes: `X_i = 65536 h_i + 256 m_i + l_i` with `l`,
+/// `m` unsigned and `h` signed. Made once per matvec and shared by every task. `vpdpbusd` (unsigned
+/// byte x signed byte, four products summed into an i32 lane) multiplies a block's 32 weights `qs`
+/// by `l` and by `m` exactly; for `h` the operands swap (`qs + 128` unsigned, `h` signed), and the
+/// lane starts from `-128 * sum(h)` over its four positions, so it too ends at `sum qs_i h_i`.
 pub struct IntX {
-    /// `3 * cols` bytes: byte 0 (low) of every element, then byte 1, then byte 2.
+    /// `3 * cols` bytes: `l` of every element, then `m`, then `h`.
     digits: Vec<u8>,
     /// `2^e_b` per block: 0 for an all-zero block, NaN for one holding a non-finite value.
     scales: Vec<f32>,
+    /// Per block, 8 lanes: `-128 * (h_4l + h_4l+1 + h_4l+2 + h_4l+3)`.
+    h_bias: Vec<i32>,
 }
 
 impl IntX {
     /// `x` (`x.len()` a multiple of 32) as integers per block.
     pub fn new(x: &[f32]) -> IntX {
         let cols = x.len() / BLOCK * BLOCK;
-        let mut xi = IntX { digits: vec![0u8; 3 * cols], scales: vec![0.0; cols / BLOCK] };
+        let mut xi = IntX { digits: vec![0u8; 3 * cols], scales: vec![0.0; cols / BLOCK], h_bias: vec![0; cols / BLOCK * 8] };
         #[cfg(target_arch = "x86_64")]
         if Isa::best().int8_dot() {
             // SAFETY: `int8_dot` says this CPU runs AVX-512 VNNI (and so F, BW, VL).
@@ -326,13 +330,14 @@ impl IntX {
             (2f64.powi(e - 22) as f32, 2f64.powi(22 - e))
         };
         self.scales[b] = scale;
+        self.h_bias[8 * b..8 * b + 8].fill(0);
         let cols = self.cols();
         for (i, &v) in xb.iter().enumerate() {
-            let q = ((v as f64 * up).round_ties_even() as i64).clamp(-(1 << 23) + 1, (1 << 23) - 1);
-            let u = (q + (1 << 23)) as u32;
+            let q = ((v as f64 * up).round_ties_even() as i64).clamp(-(1 << 23) + 1, (1 << 23) - 1) as i32;
             for (k, d) in self.digits.chunks_exact_mut(cols).enumerate() {
-                d[b * BLOCK + i] = (u >> (8 * k)) as u8;
+                d[b * BLOCK + i] = (q >> (8 * k)) as u8;
             }
+            self.h_bias[8 * b + i / 4] += -128 * (q >> 16);
         }
     }
 
@@ -375,7 +380,7 @@ mod vnni {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     pub fn int_x(x: &[f32], xi: &mut IntX) {
         let cols = x.len();
-        let (lim, bias) = (_mm512_set1_epi32((1 << 23) - 1), _mm512_set1_epi32(1 << 23));
+        let lim = _mm512_set1_epi32((1 << 23) - 1);
         for (b, xb) in x.chunks_exact(BLOCK).enumerate() {
             // SAFETY: xb.len() == 32; unaligned loads.
             let (x0, x1) = unsafe { (_mm512_loadu_ps(xb.as_ptr()), _mm512_loadu_ps(xb.as_ptr().add(16))) };
@@ -389,14 +394,21 @@ mod vnni {
             }
             xi.scales[b] = if e - 22 >= -126 { f32::from_bits(((e - 22 + 127) as u32) << 23) } else { 2f32.powi(e - 22) };
             let up = _mm512_set1_ps(f32::from_bits(((22 - e + 127) as u32) << 23));
-            for (h, v) in [x0, x1].into_iter().enumerate() {
-                let q = _mm512_cvtps_epi32(_mm512_mul_ps(v, up));
-                let u = _mm512_add_epi32(_mm512_max_epi32(_mm512_min_epi32(q, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim)), bias);
+            for (n, v) in [x0, x1].into_iter().enumerate() {
+                let q = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, up)), lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
                 for k in 0..3 {
-                    let d = _mm512_cvtepi32_epi8(_mm512_srlv_epi32(u, _mm512_set1_epi32(8 * k as i32)));
-                    // SAFETY: k * cols + 32 b + 16 h + 16 <= 3 cols; unaligned store.
-                    unsafe { _mm_storeu_si128(xi.digits.as_mut_ptr().add(k * cols + BLOCK * b + 16 * h) as *mut __m128i, d) };
+                    let d = _mm512_cvtepi32_epi8(_mm512_srav_epi32(q, _mm512_set1_epi32(8 * k as i32)));
+                    // SAFETY: k * cols + 32 b + 16 n + 16 <= 3 cols; unaligned store.
+                    unsafe { _mm_storeu_si128(xi.digits.as_mut_ptr().add(k * cols + BLOCK * b + 16 * n) as *mut __m128i, d) };
                 }
+                // -128 * (sum of h over each group of four lanes): h summed in pairs twice.
+                let h = _mm512_srai_epi32::<16>(q);
+                let pairs = _mm512_add_epi32(h, _mm512_srli_epi64::<32>(h));
+                let quads = _mm512_add_epi32(pairs, _mm512_bsrli_epi128::<8>(pairs));
+                let at = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0);
+                let four = _mm512_castsi512_si256(_mm512_permutexvar_epi32(at, _mm512_mullo_epi32(quads, _mm512_set1_epi32(-128))));
+                // SAFETY: 8 b + 4 n + 4 <= h_bias.len(); the low four lanes, unaligned store.
+                unsafe { _mm_storeu_si128(xi.h_bias.as_mut_ptr().add(8 * b + 4 * n) as *mut __m128i, _mm256_castsi256_si128(four)) };
             }
         }
     }
@@ -408,43 +420,46 @@ mod vnni {
         let row_bytes = nb * BLOCK_BYTES;
         assert!(blocks.len() == out.len() * row_bytes);
         let (d0, d1, d2) = (xi.digits.as_ptr(), xi.digits[cols..].as_ptr(), xi.digits[2 * cols..].as_ptr());
-        let bias = _mm256_set1_epi8(-128);
-        let zero = _mm256_setzero_si256();
-        // Block b's `sum qs_i X_i` as f32 lanes times `d_b 2^e_b`.
+        let (zero, flip) = (_mm256_setzero_si256(), _mm256_set1_epi8(-128));
+        // Block b's sums as f32 lanes: `256 m + l` (exact in i32: at most 2^25 in magnitude) and
+        // `h` (to be scaled by 65536 once, at the end), with `d_b 2^e_b`.
         let block = |blk: &[u8], b: usize| {
-            // SAFETY: 2 + 32 == blk.len(); 32 b + 32 <= cols for each digit row; unaligned loads.
-            let (q, u0, u1, u2) = unsafe {
+            // SAFETY: 2 + 32 == blk.len(); 32 b + 32 <= cols for each digit row; 8 b + 8 <=
+            // h_bias.len(); unaligned loads.
+            let (q, l, m, h, bias) = unsafe {
                 (
                     _mm256_loadu_si256(blk.as_ptr().add(2) as *const __m256i),
                     _mm256_loadu_si256(d0.add(BLOCK * b) as *const __m256i),
                     _mm256_loadu_si256(d1.add(BLOCK * b) as *const __m256i),
                     _mm256_loadu_si256(d2.add(BLOCK * b) as *const __m256i),
+                    _mm256_loadu_si256(xi.h_bias.as_ptr().add(8 * b) as *const __m256i),
                 )
             };
-            let s0 = _mm256_dpbusd_epi32(zero, u0, q);
-            let s1 = _mm256_dpbusd_epi32(zero, u1, q);
-            // The top byte holds X_i / 2^16 + 128: take 128 * sum(qs) back off, exactly.
-            let s2 = _mm256_sub_epi32(_mm256_dpbusd_epi32(zero, u2, q), _mm256_dpbusd_epi32(zero, bias, q));
-            let t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_set1_ps(256.0), _mm256_cvtepi32_ps(s0));
-            let t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s2), _mm256_set1_ps(65536.0), t);
-            (t, f16_to_f32(u16::from_le_bytes([blk[0], blk[1]])) * xi.scales[b])
+            let low = _mm256_add_epi32(_mm256_dpbusd_epi32(zero, l, q), _mm256_slli_epi32::<8>(_mm256_dpbusd_epi32(zero, m, q)));
+            let high = _mm256_dpbusd_epi32(bias, _mm256_xor_si256(q, flip), h);
+            let d = f16_to_f32(u16::from_le_bytes([blk[0], blk[1]])) * xi.scales[b];
+            (_mm256_cvtepi32_ps(low), _mm256_cvtepi32_ps(high), _mm256_set1_ps(d))
         };
         for (r, o) in out.iter_mut().enumerate() {
             let row = &blocks[r * row_bytes..(r + 1) * row_bytes];
-            // Two accumulators, even and odd blocks: one would wait on the previous block's add.
-            let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            // Even and odd blocks in their own accumulators: one would wait on the previous add.
+            let (mut lo_even, mut hi_even, mut lo_odd, mut hi_odd) = (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
             let pairs = row.chunks_exact(2 * BLOCK_BYTES);
             let last = pairs.remainder();
             for (k, pair) in pairs.enumerate() {
-                let (t, d) = block(&pair[..BLOCK_BYTES], 2 * k);
-                even = _mm256_fmadd_ps(t, _mm256_set1_ps(d), even);
-                let (t, d) = block(&pair[BLOCK_BYTES..], 2 * k + 1);
-                odd = _mm256_fmadd_ps(t, _mm256_set1_ps(d), odd);
+                let (lo, hi, d) = block(&pair[..BLOCK_BYTES], 2 * k);
+                lo_even = _mm256_fmadd_ps(lo, d, lo_even);
+                hi_even = _mm256_fmadd_ps(hi, d, hi_even);
+                let (lo, hi, d) = block(&pair[BLOCK_BYTES..], 2 * k + 1);
+                lo_odd = _mm256_fmadd_ps(lo, d, lo_odd);
+                hi_odd = _mm256_fmadd_ps(hi, d, hi_odd);
             }
             if !last.is_empty() {
-                let (t, d) = block(last, nb - 1);
-                even = _mm256_fmadd_ps(t, _mm256_set1_ps(d), even);
+                let (lo, hi, d) = block(last, nb - 1);
+                lo_even = _mm256_fmadd_ps(lo, d, lo_even);
+                hi_even = _mm256_fmadd_ps(hi, d, hi_even);
             }
+            let (even, odd) = (_mm256_fmadd_ps(hi_even, _mm256_set1_ps(65536.0), lo_even), _mm256_fmadd_ps(hi_odd, _mm256_set1_ps(65536.0), lo_odd));
             *o = sum8(_mm256_add_ps(even, odd));
         }
     }
@@ -675,8 +690,8 @@ mod tests {
             let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
             for (i, &v) in xb.iter().enumerate() {
                 let j = b * BLOCK + i;
-                let u = xi.digits[j] as i64 | (xi.digits[128 + j] as i64) << 8 | (xi.digits[256 + j] as i64) << 16;
-                let back = (u - (1 << 23)) as f64 * xi.scales[b] as f64;
+                let big = xi.digits[j] as i64 | (xi.digits[128 + j] as i64) << 8 | (xi.digits[256 + j] as i8 as i64) << 16;
+                let back = big as f64 * xi.scales[b] as f64;
                 assert!((back - v as f64).abs() <= amax * 2f64.powi(-23), "block {b} element {i}: {back} for {v}");
             }
         }
@@ -693,12 +708,13 @@ mod tests {
         x.extend((0..32).map(|i| if i == 3 { f32::INFINITY } else { 0.5 }));
         x.extend([0.0; 32]);
         x.extend((0..64).map(|i| ((i * 7919 % 211) as f32 - 105.0) / 17.0));
-        let mut scalar = IntX { digits: vec![0; 3 * x.len()], scales: vec![0.0; x.len() / BLOCK] };
+        let mut scalar = IntX { digits: vec![0; 3 * x.len()], scales: vec![0.0; x.len() / BLOCK], h_bias: vec![0; x.len() / BLOCK * 8] };
         for (b, xb) in x.chunks_exact(BLOCK).enumerate() {
             scalar.set_block(b, xb);
         }
         let got = IntX::new(&x);
         assert_eq!(got.digits, scalar.digits);
+        assert_eq!(got.h_bias, scalar.h_bias);
         assert_eq!(format!("{:?}", got.scales), format!("{:?}", scalar.scales));
     }
 
