@@ -59,6 +59,40 @@ impl Slots {
 
 pub(crate) fn lit_u(x: u64) -> TokenStream { let x = x as usize; quote!(#x) }
 
+/// The decode code of `ops`: [`emit_op`] of each, except that consecutive matvecs over the same
+/// input (q, k, v) are one `matvecs` call, one pool region.
+fn emit_ops(ops: &[Op], layer: Option<u64>, eps: f32, sl: &mut Slots) -> Vec<TokenStream> {
+    let mut code = Vec::new();
+    let mut i = 0;
+    while i < ops.len() {
+        let same_input = |o: &Op, first: &str| matches!(o, Op::Matvec { input, .. } if input == first);
+        let run = match &ops[i] {
+            Op::Matvec { input, .. } => ops[i..].iter().take_while(|o| same_input(o, input)).count(),
+            _ => 1,
+        };
+        if run == 1 {
+            code.push(emit_op(&ops[i], layer, eps, sl));
+        } else {
+            let Op::Matvec { input, .. } = &ops[i] else { unreachable!("a run starts at a matvec") };
+            let x = format_ident!("{}", input);
+            let jobs: Vec<TokenStream> = ops[i..i + run]
+                .iter()
+                .map(|o| match o {
+                    Op::Matvec { weight, out, out_dim, in_dim, .. } => {
+                        let m = sl.named(weight, layer, lit_u(out_dim * in_dim));
+                        let o = format_ident!("{}", out);
+                        quote!((#m, &mut s.#o[..]))
+                    }
+                    _ => unreachable!("the run holds matvecs only"),
+                })
+                .collect();
+            code.push(quote! { thin_core::cpu::matvecs(&s.#x, &mut [#(#jobs),*]); });
+        }
+        i += run;
+    }
+    code
+}
+
 fn emit_op(op: &Op, layer: Option<u64>, eps: f32, sl: &mut Slots) -> TokenStream {
     match op {
         Op::Embed { out, hidden, scale } => {
@@ -127,8 +161,7 @@ fn emit_op(op: &Op, layer: Option<u64>, eps: f32, sl: &mut Slots) -> TokenStream
             let act = match kind { MlpKind::Swiglu => quote!(swiglu), MlpKind::GegluTanh => quote!(geglu) };
             let [g, u, d] = [Role::FfnGate, Role::FfnUp, Role::FfnDown].map(|r| sl.at(r, layer, quote!(consts::FFN * consts::HIDDEN)));
             quote! {
-                thin_core::cpu::matvec(#g, &s.xn, &mut s.gate);
-                thin_core::cpu::matvec(#u, &s.xn, &mut s.up);
+                thin_core::cpu::matvecs(&s.xn, &mut [(#g, &mut s.gate[..]), (#u, &mut s.up[..])]);
                 thin_core::cpu::#act(&mut s.gate, &s.up);
                 thin_core::cpu::matvec(#d, &s.gate, &mut s.down);
             }
@@ -316,7 +349,7 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
     let prologue_b: Vec<_> = plan.prologue.iter().map(|o| emit_op_batch(o, None, eps, &mut sl)).collect();
     for lp in &plan.layers {
         let f = format_ident!("layer_{}", lp.layer);
-        let body: Vec<_> = lp.ops.iter().map(|o| emit_op(o, Some(lp.layer), eps, &mut sl)).collect();
+        let body = emit_ops(&lp.ops, Some(lp.layer), eps, &mut sl);
         let doc = format!(" Layer {}: {:?} attention, rope {}.", lp.layer, lp.attention, if lp.rope { "on" } else { "off" });
         layer_fns.push(quote! {
             #[doc = #doc]
