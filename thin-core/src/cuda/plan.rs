@@ -771,6 +771,14 @@ mod tests {
         assert_eq!((dev.len(), &dev[..bare.len()]), (mx(true), &bare[..]));
         let one = half::bf16::ONE.to_le_bytes();
         assert!(dev[dev.len() - 8..].chunks(2).all(|c| c == one), "four bf16 ones");
+        // A stacked expert tensor [experts, rows, cols] is one matrix of experts * rows rows (the
+        // MoE kernels index expert e's row r as e * rows + r): one postscale per such row.
+        let stacked = [2u64, 4, 64];
+        let bare = WeightLayout::of(DType::Mxfp4, &stacked, false).unwrap().byte_len as usize;
+        let dev = device_bytes(DType::Mxfp4, &stacked, Cow::Owned(vec![7; bare])).unwrap();
+        assert_eq!(dev.len() as u64, WeightLayout::of(DType::Mxfp4, &stacked, true).unwrap().byte_len);
+        assert_eq!(dev.len() as u64, device_len(DType::Mxfp4, &stacked, bare as u64));
+        assert!(dev[dev.len() - 16..].chunks(2).all(|c| c == one), "eight bf16 ones");
     }
 
     #[test]
