@@ -9,7 +9,7 @@ import json, os, sys
 
 import torch
 import transformers
-from transformers import Gemma3TextConfig, LlamaConfig, SmolLM3Config
+from transformers import Gemma3TextConfig, LlamaConfig, OlmoeConfig, SmolLM3Config
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures"))
 from make_tiny import byte_level_tokenizer  # noqa: E402
@@ -30,6 +30,11 @@ CONFIGS = {
     "smollm3-3b": lambda: SmolLM3Config(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
         num_attention_heads=16, num_key_value_heads=4, vocab_size=128256, tie_word_embeddings=True,
         max_position_embeddings=65536, rope_theta=5000000.0, rms_norm_eps=1e-6, no_rope_layer_interval=4),
+    # archs/olmoe-1b-7b.toml: 64 experts, top 8, weights not renormalised, whole-projection QK-norm.
+    "olmoe-1b-7b": lambda: OlmoeConfig(hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=16, vocab_size=50304, tie_word_embeddings=False,
+        max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5, num_experts=64,
+        num_experts_per_tok=8, norm_topk_prob=False),
 }
 
 

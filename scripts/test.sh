@@ -11,3 +11,7 @@ cargo check --locked -p thin --features cuda,smollm2-135m
 # The quantized matvec kernels (FP8, MXFP4) as rendered for SmolLM2, run on the CPU emulator
 # against a float64 reference (the device's kernel tests run them on the GPU).
 bash scripts/emu/run_quant.sh smollm2_135m
+# The mixture-of-experts kernels (router, top-k on the device, the chosen experts' gate/up and
+# down), bf16 and FP8, at smaller OLMoE shapes, on the CPU emulator against float64, with the
+# unchosen experts' weights unmapped.
+bash scripts/emu/run_moe.sh

@@ -6,7 +6,7 @@
 //! on the host from the same inputs and weights. Metric: `max_rel` = max |gpu - cpu| over the
 //! output / (max |cpu| + 1e-6); `max_abs` is reported too. On a GPU host:
 //!
-//!   cargo test --release --features cuda,smollm2-135m,llama3.2-1b,smollm3-3b,gemma3-270m --test cuda_kernels -- --nocapture
+//!   cargo test --release --features cuda,smollm2-135m,llama3.2-1b,smollm3-3b,gemma3-270m,olmoe-1b-7b --test cuda_kernels -- --nocapture
 //!
 //! `THIN_KERNEL_REPORT=path` appends one JSON line per check to `path`. Without a CUDA driver the
 //! tests print "skipped: no CUDA driver" and pass.
@@ -18,7 +18,10 @@
 //! 150, norm_gateup, the O and down projections as scheduled (`*_residual`, or `*_proj` and
 //! `norm_residual` on sandwich archs), qk_rope_kv, attn_partial + attn_combine_rows, and
 //! prefill's rows_norm, the seven GEMMs, qk_rope_kv and attn_partial + attn_combine_rows over 7
-//! rows, and `norm_residual` over prefill rows where scheduled; a last check fails if any
+//! rows, and `norm_residual` over prefill rows where scheduled; on a mixture-of-experts arch
+//! (OLMoE) moe_router, moe_topk (renormalised and not, a tie among the best), moe_gateup and
+//! moe_down on random routes instead of the dense MLP's kernels and GEMMs, decode and over 7
+//! prefill rows; a last check fails if any
 //! kernel instance the module defines never ran. The decode forms of qk_rope_kv, attn_partial and
 //! attn_combine_rows (over `Qkv` and the split partials) are launched by hand from the schedule's
 //! prefill launches: the split merge is only reached that way. Each arch runs six times: bf16 weights,
@@ -28,7 +31,7 @@
 //! blocks: the quantized instances, and prefill's dequant before its GEMMs. Not covered:
 //! the decode graph and the prefill pass as wholes.
 #![cfg(feature = "cuda")]
-#![cfg_attr(not(any(feature = "smollm2-135m", feature = "llama3.2-1b", feature = "smollm3-3b", feature = "gemma3-270m")), allow(dead_code, unused_imports))]
+#![cfg_attr(not(any(feature = "smollm2-135m", feature = "llama3.2-1b", feature = "smollm3-3b", feature = "gemma3-270m", feature = "olmoe-1b-7b")), allow(dead_code, unused_imports))]
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
@@ -241,6 +244,9 @@ enum Mix {
 
 struct RandomWeights {
     last: u32,
+    /// Experts of a MoE arch (0: dense); its stacked expert tensors are matrices of
+    /// `experts * rows` rows, shaped `[experts, rows, cols]`.
+    experts: usize,
     /// Rows and columns of each role's matrix (the same in every layer).
     rows: BTreeMap<Role, usize>,
     cols: BTreeMap<Role, usize>,
@@ -261,10 +267,13 @@ impl RandomWeights {
             (Role::AttnV, kv, h),
             (Role::AttnO, h, q),
             (Role::FfnNorm, 1, h),
-            (Role::FfnGate, (a.dims.intermediate_size as usize), h),
-            (Role::FfnUp, (a.dims.intermediate_size as usize), h),
-            (Role::FfnDown, h, (a.dims.intermediate_size as usize)),
         ];
+        let (ffn, experts) = (a.dims.intermediate_size as usize, a.dims.num_experts as usize);
+        if reads(a, Role::MoeRouter) {
+            per_layer.extend([(Role::MoeRouter, experts, h), (Role::MoeGate, experts * ffn, h), (Role::MoeUp, experts * ffn, h), (Role::MoeDown, experts * h, ffn)]);
+        } else {
+            per_layer.extend([(Role::FfnGate, ffn, h), (Role::FfnUp, ffn, h), (Role::FfnDown, h, ffn)]);
+        }
         if reads(a, Role::AttnQNorm) {
             // Per head (one head's width) or over the whole projection (the qk_norm_whole kernel).
             let (qn, kn) = if whole_qk_norm(a) { (q, kv) } else { ((a.dims.head_dim as usize), (a.dims.head_dim as usize)) };
@@ -319,7 +328,7 @@ impl RandomWeights {
             };
             tensors.insert((role, v), (t, bytes));
         }
-        RandomWeights { last: layer_facts(a).len() as u32 - 1, rows, cols, tensors }
+        RandomWeights { last: layer_facts(a).len() as u32 - 1, experts, rows, cols, tensors }
     }
 
     fn raw(&self, role: Role, layer: Option<u32>) -> Option<(DType, &[u8])> {
@@ -334,27 +343,37 @@ impl RandomWeights {
 
     /// A tensor's values as f32 (bf16 widens exactly; FP8 as the CPU codec decodes it, `e4m3 * scale`).
     fn f32(&self, role: Role, layer: Option<u32>) -> Vec<f32> {
+        self.rows_f32(role, layer, 0, self.rows[&role])
+    }
+
+    /// Rows `r0..r1` of a tensor's matrix as f32.
+    fn rows_f32(&self, role: Role, layer: Option<u32>, r0: usize, r1: usize) -> Vec<f32> {
+        let (rows, cols) = (self.rows[&role], self.cols[&role]);
+        let floats = |b: &[u8]| b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<f32>>();
         match self.raw(role, layer).unwrap_or_else(|| panic!("{role:?} layer {layer:?} is not in the random model")) {
-            (DType::F32, b) => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            (DType::F32, b) => floats(&b[r0 * cols * 4..r1 * cols * 4]),
             (DType::F8E4m3, b) => {
-                let rows = self.rows[&role];
-                let cols = self.cols[&role];
                 let off = (rows * cols).next_multiple_of(64);
-                let scales: Vec<f32> = b[off..off + 4 * rows].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-                WeightView::F8E4m3 { values: &b[..rows * cols], scales: &scales, cols }.to_f32_vec()
+                let scales = floats(&b[off..off + 4 * rows]);
+                WeightView::F8E4m3 { values: &b[..rows * cols], scales: &scales, cols }.slice(r0 * cols, r1 * cols).to_f32_vec()
             }
-            (DType::Q8_0, b) => WeightView::Q8_0 { blocks: b, cols: self.cols[&role] }.to_f32_vec(),
-            (DType::Q4_1, b) => WeightView::Q4_1 { blocks: b, cols: self.cols[&role] }.to_f32_vec(),
+            (DType::Q8_0, b) => WeightView::Q8_0 { blocks: b, cols }.slice(r0 * cols, r1 * cols).to_f32_vec(),
+            (DType::Q4_1, b) => WeightView::Q4_1 { blocks: b, cols }.slice(r0 * cols, r1 * cols).to_f32_vec(),
             (DType::Mxfp4, b) => {
-                let (rows, cols) = (self.rows[&role], self.cols[&role]);
                 let e = (rows * cols / 2).next_multiple_of(64);
                 let p = (e + rows * cols / 32).next_multiple_of(64);
                 let post: Vec<half::bf16> = b.get(p..p + 2 * rows).map(|s| s.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]])).collect()).unwrap_or_default();
                 let postscale = (!post.is_empty()).then_some(&post[..]);
-                WeightView::Mxfp4 { values: &b[..rows * cols / 2], scales: &b[e..e + rows * cols / 32], postscale, cols }.to_f32_vec()
+                WeightView::Mxfp4 { values: &b[..rows * cols / 2], scales: &b[e..e + rows * cols / 32], postscale, cols }.slice(r0 * cols, r1 * cols).to_f32_vec()
             }
-            (_, b) => b.chunks_exact(2).map(|c| from_bf16(u16::from_le_bytes([c[0], c[1]]))).collect(),
+            (_, b) => b[r0 * cols * 2..r1 * cols * 2].chunks_exact(2).map(|c| from_bf16(u16::from_le_bytes([c[0], c[1]]))).collect(),
         }
+    }
+
+    /// Expert `e`'s matrix of a stacked expert tensor as f32.
+    fn expert_f32(&self, role: Role, layer: Option<u32>, e: usize) -> Vec<f32> {
+        let per = self.rows[&role] / self.experts;
+        self.rows_f32(role, layer, e * per, (e + 1) * per)
     }
 }
 
@@ -366,7 +385,12 @@ impl WeightSource for RandomWeights {
         self.raw(role, layer).map(|(_, b)| Cow::Borrowed(b)).ok_or_else(|| format!("{role:?} layer {layer:?} is not in the random model"))
     }
     fn shape(&self, role: Role, layer: Option<u32>) -> Option<Vec<u64>> {
-        self.raw(role, layer).map(|_| vec![self.rows[&role] as u64, self.cols[&role] as u64])
+        let (rows, cols) = (self.rows[&role] as u64, self.cols[&role] as u64);
+        self.raw(role, layer).map(|_| match role {
+            // Stacked as the converter stores them: [experts, rows, cols].
+            Role::MoeGate | Role::MoeUp | Role::MoeDown => vec![self.experts as u64, rows / self.experts as u64, cols],
+            _ => vec![rows, cols],
+        })
     }
 }
 
@@ -496,6 +520,9 @@ struct T<'a> {
     kvd: usize,
     hd: usize,
     ffn: usize,
+    /// A mixture-of-experts MLP (the moe_* kernels): its experts and top k; (0, 0) dense.
+    experts: usize,
+    top_k: usize,
 }
 
 impl<'a> T<'a> {
@@ -556,6 +583,8 @@ impl<'a> T<'a> {
             kvd,
             hd: (a.dims.head_dim as usize),
             ffn: (a.dims.intermediate_size as usize),
+            experts: a.dims.num_experts as usize,
+            top_k: a.dims.top_k as usize,
         }
     }
 
@@ -972,6 +1001,145 @@ impl<'a> T<'a> {
         self.check("norm_gateup", Some(l), "random x", &got[..self.ffn], &want, TOL_F32);
     }
 
+    /// The MoE launches of layer `l`: the decode step's, or prefill's (over its P buffers).
+    fn moe_launches(&self, l: usize, prefill: bool) -> [Launch; 4] {
+        let list = if prefill { &self.prefill } else { &self.fused };
+        let layer = |k: &str| list.iter().find(|la| la.kernel == k && layer_of(la) == Some(l)).cloned().unwrap_or_else(|| panic!("no {k} launch for layer {l}"));
+        // moe_topk reads no weight: the one after this layer's router.
+        let router = layer("moe_router");
+        let Arg::Buf(logits) = router.args[3] else { panic!("moe_router: argument 3 is not the logits") };
+        let topk = list.iter().find(|la| la.kernel == "moe_topk" && la.args[0] == Arg::Buf(logits)).cloned().expect("a moe_topk launch");
+        [router, topk, layer("moe_gateup"), layer("moe_down")]
+    }
+
+    /// Rows of a buffer a check may write: `rows` and, where it holds one more (prefill's), a row
+    /// past the last that a kernel over `rows` rows must leave alone.
+    fn rows_in(&self, b: Buf, rows: usize, row_bytes: usize) -> usize {
+        (rows + 1).min(self.e.layout().get(b).expect("a buffer of the layout").1 / row_bytes)
+    }
+
+    /// A route of `rows` rows: top_k distinct random experts each, random weights; as written.
+    fn rand_route(&mut self, b: Buf, rows: usize) -> Vec<(Vec<usize>, Vec<f32>)> {
+        let mut out = Vec::new();
+        let mut bytes = Vec::new();
+        for _ in 0..rows {
+            let mut ids: Vec<usize> = (0..self.experts).collect();
+            for i in 0..self.top_k {
+                ids.swap(i, i + self.rng.below(self.experts - i));
+            }
+            ids.truncate(self.top_k);
+            let w: Vec<f32> = (0..self.top_k).map(|_| 0.05 + self.rng.unit()).collect();
+            bytes.extend(ids.iter().flat_map(|&e| (e as i32).to_le_bytes()));
+            bytes.extend(w.iter().flat_map(|x| x.to_le_bytes()));
+            out.push((ids, w));
+        }
+        self.write(b, &bytes);
+        out
+    }
+
+    /// moe_router over `rows` rows: logits = Wr rmsnorm(x) * g, per row.
+    fn moe_router(&mut self, la: &Launch, rows: usize, l: usize) {
+        let (Arg::Buf(xb), Arg::Buf(out)) = (la.args[0], la.args[3]) else { panic!("moe_router: arguments {:?}", la.args) };
+        let (h, e) = (self.h, self.experts);
+        let x = self.rand(rows * h, 2.0);
+        self.put(xb, &x);
+        let n = self.rows_in(out, rows, 4 * e);
+        let mut want = self.rand(n * e, 1.0);
+        self.put(out, &want);
+        self.run(la, rows);
+        let (g, wr) = (self.wt(Role::FfnNorm, l), self.wt(Role::MoeRouter, l));
+        for (xr, wr_out) in x.chunks(h).zip(want.chunks_mut(e)) {
+            wr_out.copy_from_slice(&matvec(&wr, &self.rms(xr, &g)));
+        }
+        let got = self.get(out);
+        self.check("moe_router", Some(l), format!("{xb:?} -> {out:?} rows={rows}"), &got[..n * e], &want, TOL_F32);
+    }
+
+    /// moe_topk over `rows` rows of random logits (row 0 with a tie among its best): the experts
+    /// as thin_core::cpu::Router picks them (exact), their weights (renormalised or not).
+    fn moe_topk(&mut self, la: &Launch, rows: usize, renorm: bool) {
+        let (Arg::Buf(lb), Arg::Buf(rb)) = (la.args[0], la.args[2]) else { panic!("moe_topk: arguments {:?}", la.args) };
+        let (e, k) = (self.experts, self.top_k);
+        let mut logits = self.rand(rows * e, 4.0);
+        (logits[3], logits[e - 2]) = (5.0, 5.0);
+        self.put(lb, &logits);
+        let mut la = la.clone();
+        la.args[1] = Arg::I32(renorm as i32);
+        self.run(&la, rows);
+        let route = self.read(rb);
+        let word = |i: usize| [route[4 * i], route[4 * i + 1], route[4 * i + 2], route[4 * i + 3]];
+        let mut router = cpu::Router::new(e);
+        let (mut got_ids, mut want_ids, mut got_w, mut want_w) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (r, lr) in logits.chunks(e).enumerate() {
+            for (j, &(x, p)) in router.top(lr, k, renorm).iter().enumerate() {
+                got_ids.push(i32::from_le_bytes(word(r * 2 * k + j)) as f32);
+                got_w.push(f32::from_le_bytes(word(r * 2 * k + k + j)));
+                want_ids.push(x as f32);
+                want_w.push(p);
+            }
+        }
+        let case = format!("{lb:?} rows={rows} renorm={renorm}");
+        self.check("moe_topk", None, format!("{case}: experts"), &got_ids, &want_ids, 0.0);
+        self.check("moe_topk", None, format!("{case}: weights"), &got_w, &want_w, TOL_F32);
+    }
+
+    /// moe_gateup over `rows` rows with a random route: act_j = act(Wg[e_j] n) * (Wu[e_j] n).
+    fn moe_gateup(&mut self, la: &Launch, rows: usize, l: usize) {
+        let (Arg::Buf(xb), Arg::Buf(rb), Arg::Buf(out)) = (la.args[0], la.args[4], la.args[5]) else { panic!("moe_gateup: arguments {:?}", la.args) };
+        let (h, w) = (self.h, self.top_k * self.ffn);
+        let x = self.rand(rows * h, 2.0);
+        self.put(xb, &x);
+        let route = self.rand_route(rb, rows);
+        let n = self.rows_in(out, rows, 4 * w);
+        let mut want = self.rand(n * w, 1.0);
+        self.put(out, &want);
+        self.run(la, rows);
+        let g = self.wt(Role::FfnNorm, l);
+        for ((xr, (ids, _)), wr) in x.chunks(h).zip(&route).zip(want.chunks_mut(w)) {
+            let xn = self.rms(xr, &g);
+            for (&e, a) in ids.iter().zip(wr.chunks_mut(self.ffn)) {
+                let mut gate = matvec(&self.w.expert_f32(Role::MoeGate, Some(l as u32), e), &xn);
+                (self.r.act)(&mut gate, &matvec(&self.w.expert_f32(Role::MoeUp, Some(l as u32), e), &xn));
+                a.copy_from_slice(&gate);
+            }
+        }
+        let got = self.get(out);
+        self.check("moe_gateup", Some(l), format!("{xb:?} -> {out:?} rows={rows}"), &got[..n * w], &want, TOL_F32);
+    }
+
+    /// moe_down over `rows` rows with a random route: x += sum_j w_j Wd[e_j] act_j.
+    fn moe_down(&mut self, la: &Launch, rows: usize, l: usize) {
+        let (Arg::Buf(ab), Arg::Buf(rb), Arg::Buf(xb)) = (la.args[0], la.args[2], la.args[3]) else { panic!("moe_down: arguments {:?}", la.args) };
+        let (h, ffn, w) = (self.h, self.ffn, self.top_k * self.ffn);
+        let act = self.rand(rows * w, 0.5);
+        self.put(ab, &act);
+        let route = self.rand_route(rb, rows);
+        let n = self.rows_in(xb, rows, 4 * h);
+        let mut want = self.rand(n * h, 1.0);
+        self.put(xb, &want);
+        self.run(la, rows);
+        for ((ar, (ids, wts)), xr) in act.chunks(w).zip(&route).zip(want.chunks_mut(h)) {
+            for ((&e, &p), aj) in ids.iter().zip(wts).zip(ar.chunks(ffn)) {
+                let y = matvec(&self.w.expert_f32(Role::MoeDown, Some(l as u32), e), aj);
+                xr.iter_mut().zip(y).for_each(|(o, v)| *o += p * v);
+            }
+        }
+        let got = self.get(xb);
+        self.check("moe_down", Some(l), format!("{ab:?} -> {xb:?} rows={rows}"), &got[..n * h], &want, TOL_F32);
+    }
+
+    /// Every MoE kernel of layer `l`: the decode forms (one row), then prefill's (ROWS rows).
+    fn moe(&mut self, l: usize, prefill: bool) {
+        let [router, topk, gateup, down] = self.moe_launches(l, prefill);
+        let rows = if prefill { ROWS } else { 1 };
+        self.moe_router(&router, rows, l);
+        for renorm in [false, true] {
+            self.moe_topk(&topk, rows, renorm);
+        }
+        self.moe_gateup(&gateup, rows, l);
+        self.moe_down(&down, rows, l);
+    }
+
     /// `out (+)= W in`, W = `role` of layer `l` (`[hidden, in]`), a random `out` before.
     fn matvec_kernel(&mut self, la: &Launch, input: Buf, role: Role, out: Buf, add: bool, l: usize) {
         let w = self.wt(role, l);
@@ -1114,8 +1282,12 @@ impl<'a> T<'a> {
             // A sliding window the arch does not use, starting mid-split with split 0 empty.
             self.attn_decode(l, 150, Some(40));
         }
-        self.norm_gateup(l);
-        self.projection(l, Buf::Act, Role::FfnDown);
+        if self.experts > 0 {
+            self.moe(l, false);
+        } else {
+            self.norm_gateup(l);
+            self.projection(l, Buf::Act, Role::FfnDown);
+        }
 
         let rope = find(&self.unfused, "qk_rope_kv", Some(l));
         let part = find(&self.unfused, "attn_partial", Some(l));
@@ -1130,9 +1302,14 @@ impl<'a> T<'a> {
         self.projection(l, Buf::Att, Role::AttnO);
 
         self.rows_norm(l, Role::AttnNorm);
-        self.rows_norm(l, Role::FfnNorm);
         let gemms: Vec<Gemm> = self.gemms.iter().filter(|g| g.weight.1 == Some(l as u32)).cloned().collect();
-        assert_eq!(gemms.len(), 7, "q, k, v, o, gate, up, down");
+        if self.experts > 0 {
+            assert_eq!(gemms.len(), 4, "q, k, v, o (the experts run as kernels over the rows)");
+            self.moe(l, true);
+        } else {
+            self.rows_norm(l, Role::FfnNorm);
+            assert_eq!(gemms.len(), 7, "q, k, v, o, gate, up, down");
+        }
         for g in &gemms {
             self.gemm(g);
         }
@@ -1179,7 +1356,9 @@ fn run_arch(a: CudaArch, r: Ref) {
         t.argmax_step();
         t.attn_combine();
         t.rows_embed();
-        t.rows_act();
+        if a.kernels.contains("rows_act_") {
+            t.rows_act();
+        }
         let facts = layer_facts(&a);
         let mut layers = vec![0, facts.len() - 1];
         layers.extend(facts.iter().position(|s| s.rope.is_none()));
@@ -1222,6 +1401,16 @@ fn llama3_2_1b_kernels_match_cpu_reference() {
 #[test]
 fn smollm3_3b_kernels_match_cpu_reference() {
     use thin_generated::smollm3_3b as m;
+    run_arch(m::cuda::arch().expect("a CUDA schedule"), llama_ref(m::consts::RMS_EPS, m::consts::HEAD_DIM));
+}
+
+/// OLMoE-1B-7B: the dense archs' attention with whole-projection QK-norm, and the mixture of
+/// experts (router, top-k on the device, the chosen experts' gate/up and down) in decode and
+/// prefill forms, the expert tensors stacked `[experts, rows, cols]` as the converter stores them.
+#[cfg(feature = "olmoe-1b-7b")]
+#[test]
+fn olmoe_1b_7b_kernels_match_cpu_reference() {
+    use thin_generated::olmoe_1b_7b as m;
     run_arch(m::cuda::arch().expect("a CUDA schedule"), llama_ref(m::consts::RMS_EPS, m::consts::HEAD_DIM));
 }
 

@@ -99,12 +99,13 @@ fn plan_refuses_bad_sizes_and_contexts() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("more than the model's maximum of 256"), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
-// smollm3-tiny and gemma3-tiny through the library: the plan counts every tensor the CUDA
-// schedule reads, so its weight bytes are the archive's tensors aligned to 256 each.
+// smollm3-tiny, gemma3-tiny and olmoe-tiny through the library: the plan counts every tensor the
+// CUDA schedule reads, so its weight bytes are the archive's tensors aligned to 256 each (OLMoE's:
+// the router and every expert of the stacked expert tensors, all resident; a step reads top_k).
 #[test]
 fn plans_of_the_other_tiny_fixtures_count_every_weight() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    for name in ["smollm3-tiny", "gemma3-tiny"] {
+    for name in ["smollm3-tiny", "gemma3-tiny", "olmoe-tiny"] {
         let a = thin_core::format::Archive::open(&convert(name, tmp.path())).expect("open");
         let m = a.manifest();
         let p = thin::residency_plan(&a, 32, thin::Budget { gpu_mem: Some(1 << 30), free: None }, thin::Link::default()).expect("plan");

@@ -160,6 +160,10 @@ pub fn validate(file: &str, d: &Description) -> Result<(), CodegenError> {
         if m.top_k == 0 || m.top_k > m.num_experts {
             e.push(format!("moe.top_k: {} must be in 1..=num_experts {}", m.top_k, m.num_experts));
         }
+        // Both engines run experts as SwiGLU (the CPU's swiglu, the kernels' mlp_act of mlp.kind).
+        if d.mlp.kind != MlpKind::Swiglu {
+            e.push("mlp.kind: experts are SwiGLU; a [moe] description needs kind = \"swiglu\"".to_string());
+        }
     }
     let expect_act = match d.mlp.kind { MlpKind::Swiglu => "silu", MlpKind::GegluTanh => "gelu_pytorch_tanh" };
     if d.mlp.hidden_act != expect_act {

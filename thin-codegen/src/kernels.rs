@@ -20,6 +20,9 @@ pub struct DecodeKernels {
     pub kv_heads: u64,
     pub head_dim: u64,
     pub ffn: u64,
+    /// Experts of a mixture-of-experts MLP and how many each token takes (0 for a dense MLP).
+    pub experts: u64,
+    pub top_k: u64,
     pub eps: String,
     pub emb_scale: String,
     /// The embedding scale rounded to bf16, as HF applies it to bf16 weights.
@@ -58,6 +61,8 @@ pub fn emit_kernels(d: &Description, schedule: &Schedule) -> Result<BTreeMap<Str
         kv_heads: a.num_kv_heads,
         head_dim: a.head_dim,
         ffn: d.dims.intermediate_size,
+        experts: d.moe.as_ref().map_or(0, |m| m.num_experts),
+        top_k: d.moe.as_ref().map_or(0, |m| m.top_k),
         eps: format!("{:e}", d.norm.eps),
         emb_scale: format!("{emb:e}"),
         emb_scale_bf16: format!("{:e}", half::bf16::from_f64(emb).to_f64()),

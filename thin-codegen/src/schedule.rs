@@ -116,8 +116,44 @@ impl Out {
     }
 }
 
+impl Out {
+    /// A mixture-of-experts MLP into the residual, decode and prefill alike (the same four kernels;
+    /// prefill runs them over every prompt row, grid y): the router matvec over the normed
+    /// residual; the softmax and top-k of its logits with the weights (renormalised if `renorm`),
+    /// on the device, into the route buffer; the chosen experts' gate and up rows only; their down
+    /// rows, weighted, added into the residual. Nothing crosses to the host within a token.
+    ///
+    /// Prefill does not group prompt rows by expert yet: each row reads its own experts' rows (a
+    /// decode step's weight traffic per prompt token, in one launch per kernel), where a grouped
+    /// GEMM would read each chosen expert once per pass.
+    fn moe(&mut self, li: Option<u32>, norm: Role, (experts, top_k, renorm): (usize, usize, bool), h: usize, ffn: usize) {
+        let w = |r: Role| Arg::Weight(r, li);
+        let (router, gate, up, down) = (Role::MoeRouter, Role::MoeGate, Role::MoeUp, Role::MoeDown);
+        let grid = |weight: Role, in_features: usize, rows: usize, nr: usize| {
+            (Some((weight, li)), Grid::MatvecRows { weight: (weight, li), in_features, rows, nr })
+        };
+        let renorm = Arg::I32(renorm as i32);
+        for (x, logits, route, act) in [(Buf::X, Buf::MoeLogits, Buf::MoeRoute, Buf::MoeAct), (Buf::PX, Buf::PMoeLogits, Buf::PMoeRoute, Buf::PMoeAct)] {
+            let launches = [
+                ("moe_router", grid(router, h, experts, 1), MV, vec![Arg::Buf(x), w(norm), w(router), Arg::Buf(logits)]),
+                ("moe_topk", (None, Grid::Rows), 32, vec![Arg::Buf(logits), renorm, Arg::Buf(route)]),
+                ("moe_gateup", grid(gate, h, top_k * ffn, 2), MV, vec![Arg::Buf(x), w(norm), w(gate), w(up), Arg::Buf(route), Arg::Buf(act)]),
+                ("moe_down", grid(down, ffn, h, top_k), MV, vec![Arg::Buf(act), w(down), Arg::Buf(route), Arg::Buf(x)]),
+            ];
+            for (kernel, g, block, args) in launches {
+                if x == Buf::X {
+                    self.k(kernel, g, block, args);
+                } else {
+                    self.pk(kernel, g, block, args);
+                }
+            }
+        }
+    }
+}
+
 /// One layer's ops as kernels: norm + q/k/v; QK-norm + RoPE + KV write + split attention; O
-/// projection into the residual; norm + gate/up + activation; down into the residual.
+/// projection into the residual; norm + gate/up + activation; down into the residual (or the
+/// mixture of experts: [`Out::moe`]).
 fn lower_layer(lp: &LayerPlan, d: &ShapeDims) -> Result<Out, Unsupported> {
     let mut ops = Ops { ops: &lp.ops, at: 0 };
     let mut out = Out::default();
@@ -214,8 +250,17 @@ fn lower_layer(lp: &LayerPlan, d: &ShapeDims) -> Result<Out, Unsupported> {
         Op::RmsNorm { weight, input, out, .. } if input == "x" && out == "xn" => Some(role(weight)),
         _ => None,
     });
-    let mlp = ops.take(|o| matches!(o, Op::Mlp { .. }).then_some(()));
-    let (Some(ffn_norm), Some(())) = (ffn_norm, mlp) else { return Err(ops.refuse()) };
+    let Some(ffn_norm) = ffn_norm else { return Err(ops.refuse()) };
+    if let Some((experts, top_k, renorm)) = ops.take(|o| match o {
+        Op::Moe { experts, top_k, renorm, .. } => Some((*experts as usize, *top_k as usize, *renorm)),
+        _ => None,
+    }) {
+        let r = residual(&mut ops, "down").ok_or_else(|| ops.refuse())?;
+        let Residual::Plain = r else { return Err(Unsupported("mixture-of-experts layers with a post-feedforward norm".into())) };
+        out.moe(li, ffn_norm, (experts, top_k, renorm), h, d.intermediate_size as usize);
+        return if ops.done() { Ok(out) } else { Err(ops.refuse()) };
+    }
+    ops.take(|o| matches!(o, Op::Mlp { .. }).then_some(())).ok_or_else(|| ops.refuse())?;
     let (ffn, gate, up, down) = (d.intermediate_size as usize, Role::FfnGate, Role::FfnUp, Role::FfnDown);
     out.k("norm_gateup", mv((gate, li), h, ffn, 2), MV, vec![Arg::Buf(Buf::X), w(ffn_norm), w(gate), w(up), Arg::Buf(Buf::Act)]);
     out.pk("rows_norm", (Some((gate, li)), Grid::Rows), 256, vec![Arg::Buf(Buf::PX), w(ffn_norm), Arg::Buf(Buf::PXn)]);
@@ -313,6 +358,10 @@ fn grid_tokens(g: &Grid) -> TokenStream {
         Grid::Matvec { weight, in_features, rows, nr } => {
             let w = weight_tokens(weight.0, weight.1);
             quote!(Grid::Matvec { weight: (#w), in_features: #in_features, rows: #rows, nr: #nr })
+        }
+        Grid::MatvecRows { weight, in_features, rows, nr } => {
+            let w = weight_tokens(weight.0, weight.1);
+            quote!(Grid::MatvecRows { weight: (#w), in_features: #in_features, rows: #rows, nr: #nr })
         }
         Grid::HeadSplits { heads } => quote!(Grid::HeadSplits { heads: #heads }),
         Grid::Fixed(x, y, z) => quote!(Grid::Fixed(#x, #y, #z)),

@@ -57,6 +57,19 @@ fn broken_description_reports_every_error() {
     assert!(thin_codegen::generate_one("broken.toml", &text).is_err(), "never emits on error");
 }
 
+/// Experts are SwiGLU on both backends: a MoE description with another MLP kind is refused at
+/// validation, with its other errors.
+#[test]
+fn moe_experts_must_be_swiglu() {
+    let text = std::fs::read_to_string(root().join("archs/tiny/olmoe-tiny.toml")).unwrap();
+    let text = text.replace("kind = \"swiglu\"", "kind = \"geglu_tanh\"").replace("hidden_act = \"silu\"", "hidden_act = \"gelu_pytorch_tanh\"").replace("top_k = 2", "top_k = 9");
+    let d = thin_codegen::parse("moe.toml", &text).unwrap();
+    let err = thin_codegen::validate("moe.toml", &d).unwrap_err().to_string();
+    for want in ["mlp.kind: experts are SwiGLU; a [moe] description needs kind = \"swiglu\"", "moe.top_k: 9 must be in 1..=num_experts 8"] {
+        assert!(err.contains(want), "missing {want:?} in:\n{err}");
+    }
+}
+
 #[test]
 fn generated_is_fresh() {
     let files = thin_codegen::generate_all(&root()).unwrap();

@@ -52,7 +52,7 @@ fn a_feature_the_kernels_lack_is_refused_by_name() {
     let cases: [(&str, fn(String) -> String, &str); 3] = [
         ("archs/tiny/gemma3-tiny.toml", |t| t.replace("[rope]", "softcap = 50.0\n\n[rope]"), "attention logit softcapping (50)"),
         ("archs/tiny/gemma3-tiny.toml", |t| format!("final_logit_softcap = 30.0\n{t}"), "final logit softcapping (30)"),
-        ("archs/tiny/olmoe-tiny.toml", |t| t, "mixture-of-experts layers"),
+        ("archs/tiny/olmoe-tiny.toml", with_sandwich_norms, "mixture-of-experts layers with a post-feedforward norm"),
     ];
     for (file, edit, what) in cases {
         let text = edit(std::fs::read_to_string(root().join(file)).unwrap());
@@ -95,14 +95,82 @@ fn whole_projection_qk_norm_is_a_kernel_before_attention() {
     assert!(!kernels(&g).contains(&"qk_norm_whole"));
 }
 
+/// OLMoE's description with Gemma's sandwich norms: a MoE output through a post-norm, which the
+/// MoE kernels do not take (moe_down adds into the residual).
+fn with_sandwich_norms(t: String) -> String {
+    t.replace("placement = \"pre\"", "placement = \"sandwich\"")
+        + "attn_post_norm = { hf = \"model.layers.{l}.post_self_attn_norm.weight\", gguf = \"blk.{l}.post_attention_norm.weight\" }\n\
+           ffn_post_norm = { hf = \"model.layers.{l}.post_ffn_norm.weight\", gguf = \"blk.{l}.post_ffw_norm.weight\" }\n"
+}
+
+/// An OLMoE layer on the GPU: attention as the dense archs', then the mixture of experts as four
+/// kernels: the router matvec (the FFN norm fused in), top-k and the weights on the device into
+/// the route buffer, the chosen experts' gate/up rows, their down rows weighted into the
+/// residual. The expert choice stays in device buffers (no launch or step hands it to the host:
+/// the decode step is still one graph). Prefill runs the same kernels over the prompt rows
+/// (grid y), its attention projections as GEMMs; no GEMM touches the experts.
 #[test]
-fn olmoe_is_refused_by_name() {
-    let e = thin_generated::olmoe_tiny::cuda::arch().unwrap_err();
-    match &e {
-        PlanError::Unsupported { arch, what } => assert_eq!((arch.as_str(), what.as_str()), ("olmoe-tiny", "mixture-of-experts layers")),
-        other => panic!("{other}"),
+fn olmoe_layers_route_on_the_device() {
+    let s = schedule_of("archs/tiny/olmoe-tiny.toml", |t| t).unwrap();
+    let layer = ["norm_qkv", "qk_norm_whole", "attn_decode", "o_residual", "moe_router", "moe_topk", "moe_gateup", "moe_down"];
+    let want: Vec<&str> = std::iter::once("embed").chain(layer.iter().copied().cycle().take(2 * layer.len())).chain(["norm_lm_head", "argmax_step"]).collect();
+    assert_eq!(kernels(&s), want);
+    let find = |list: &[Launch], k: &str| list.iter().find(|l| l.kernel == k).cloned().unwrap();
+    let w = |r: Role| Arg::Weight(r, Some(1));
+    let layer1: Vec<Launch> = s.decode.iter().filter(|l| l.args.iter().any(|a| *a == w(Role::FfnNorm) || *a == w(Role::MoeDown))).cloned().collect();
+    let router = find(&layer1, "moe_router");
+    assert_eq!(router.args, [Arg::Buf(Buf::X), w(Role::FfnNorm), w(Role::MoeRouter), Arg::Buf(Buf::MoeLogits)]);
+    assert_eq!(router.grid, Grid::MatvecRows { weight: (Role::MoeRouter, Some(1)), in_features: 64, rows: 8, nr: 1 });
+    let topk = find(&s.decode, "moe_topk");
+    assert_eq!((topk.typed_by, topk.grid, topk.block), (None, Grid::Rows, 32), "one warp a row, for every weight type");
+    assert_eq!(topk.args, [Arg::Buf(Buf::MoeLogits), Arg::I32(0), Arg::Buf(Buf::MoeRoute)], "olmoe-tiny: norm_topk_prob = false");
+    let gateup = find(&layer1, "moe_gateup");
+    assert_eq!(gateup.args, [Arg::Buf(Buf::X), w(Role::FfnNorm), w(Role::MoeGate), w(Role::MoeUp), Arg::Buf(Buf::MoeRoute), Arg::Buf(Buf::MoeAct)]);
+    assert_eq!(gateup.grid, Grid::MatvecRows { weight: (Role::MoeGate, Some(1)), in_features: 64, rows: 2 * 32, nr: 2 }, "top_k x ffn outputs, gate and up rows");
+    let down = find(&layer1, "moe_down");
+    assert_eq!(down.args, [Arg::Buf(Buf::MoeAct), w(Role::MoeDown), Arg::Buf(Buf::MoeRoute), Arg::Buf(Buf::X)]);
+    assert_eq!(down.grid, Grid::MatvecRows { weight: (Role::MoeDown, Some(1)), in_features: 32, rows: 64, nr: 2 }, "hidden outputs, one down row per chosen expert");
+    // The renormalisation flag comes from the description.
+    let renorm = schedule_of("archs/tiny/olmoe-tiny.toml", |t| t.replace("norm_topk_prob = false", "norm_topk_prob = true")).unwrap();
+    assert_eq!(find(&renorm.decode, "moe_topk").args[1], Arg::I32(1));
+    // Prefill: per layer the q, k, v, o GEMMs (no expert GEMM), the MoE kernels over every row.
+    let names: Vec<&str> = s.prefill.iter().map(|st| match st { Step::Kernel(k) => k.kernel, Step::Gemm(_) => "gemm" }).collect();
+    let layer = ["rows_norm", "gemm", "gemm", "gemm", "qk_norm_whole", "qk_rope_kv", "attn_partial", "attn_combine_rows", "gemm", "moe_router", "moe_topk", "moe_gateup", "moe_down"];
+    assert_eq!(names[1..1 + layer.len()], layer);
+    assert_eq!(names.len(), 1 + 2 * layer.len());
+    let prefill: Vec<Launch> = s.prefill.iter().filter_map(|st| if let Step::Kernel(k) = st { Some(k.clone()) } else { None }).collect();
+    let pdown = find(&prefill, "moe_down");
+    assert_eq!(pdown.args, [Arg::Buf(Buf::PMoeAct), Arg::Weight(Role::MoeDown, Some(0)), Arg::Buf(Buf::PMoeRoute), Arg::Buf(Buf::PX)]);
+    assert_eq!(pdown.grid, Grid::MatvecRows { weight: (Role::MoeDown, Some(0)), in_features: 32, rows: 64, nr: 2 });
+    assert!(s.gemms().all(|g| !matches!(g.weight.0, Role::MoeRouter | Role::MoeGate | Role::MoeUp | Role::MoeDown)));
+    // The generated module says the same.
+    assert_eq!(thin_generated::olmoe_tiny::cuda::arch().unwrap().schedule, s);
+}
+
+/// moe_down loads its first rows (chosen by the route) and residual rows before its PDL wait:
+/// the route is written by moe_topk two launches back, the residual earlier still, and the launch
+/// just before it (moe_gateup) writes neither. moe_gateup's rows come from the launch just
+/// before it, so it waits first (the matvec core's EARLY = false).
+#[test]
+fn moe_down_reads_only_what_two_launches_back_wrote() {
+    let s = schedule_of("archs/olmoe-1b-7b.toml", |t| t).unwrap();
+    // The kernels as generated (the staleness test keeps them codegen's).
+    let src = std::fs::read_to_string(root().join("generated/olmoe_1b_7b/kernels/decode.cu")).unwrap();
+    let mut seen = 0;
+    for w in s.decode.windows(3) {
+        if w[2].kernel == "moe_down" {
+            assert_eq!((w[0].kernel, w[1].kernel), ("moe_topk", "moe_gateup"));
+            assert!(!w[1].args.contains(&Arg::Buf(Buf::X)) || w[1].args[0] == Arg::Buf(Buf::X), "moe_gateup only reads X");
+            assert_eq!(w[1].args.last(), Some(&Arg::Buf(Buf::MoeAct)), "moe_gateup writes only its activations");
+            seen += 1;
+        }
     }
-    assert!(e.to_string().contains("use --backend cpu"), "{e}");
+    assert_eq!(seen, 16);
+    let body = kernel_body(&src, "moe_gateup_bf16");
+    assert!(body.contains("matvec<HIDDEN, TOP_K * FFN, 2, false>"), "moe_gateup waits before its first rows");
+    let down = kernel_body(&src, "moe_down_bf16");
+    assert!(down.contains("matvec<FFN, HIDDEN, TOP_K, true, FFN>"), "moe_down loads its first rows early, each expert's row against its own activation");
+    assert!(src.contains("constexpr int EXPERTS = 64;") && src.contains("constexpr int TOP_K = 8;"));
 }
 
 #[test]
@@ -160,13 +228,18 @@ fn archive(name: &str, dir: &tempfile::TempDir) -> Archive {
 
 fn expected_elems(a: &CudaArch, role: Role) -> usize {
     let (q, kv, h) = ((a.dims.num_heads as usize) * (a.dims.head_dim as usize), (a.dims.num_kv_heads as usize) * (a.dims.head_dim as usize), (a.dims.hidden_size as usize));
+    let whole = a.schedule.decode.iter().any(|l| l.kernel == "qk_norm_whole");
     match role {
         Role::TokenEmbd | Role::LmHead => (a.dims.vocab_size as usize) * h,
         Role::AttnQ => q * h,
         Role::AttnK | Role::AttnV => kv * h,
         Role::AttnO => h * q,
         Role::FfnGate | Role::FfnUp | Role::FfnDown => (a.dims.intermediate_size as usize) * h,
+        Role::AttnQNorm if whole => q,
+        Role::AttnKNorm if whole => kv,
         Role::AttnQNorm | Role::AttnKNorm => a.dims.head_dim as usize,
+        Role::MoeRouter => (a.dims.num_experts as usize) * h,
+        Role::MoeGate | Role::MoeUp | Role::MoeDown => (a.dims.num_experts as usize) * (a.dims.intermediate_size as usize) * h,
         _ => h,
     }
 }
@@ -205,6 +278,20 @@ fn llama_schedule_matches_its_archive() {
 #[test]
 fn smollm3_schedule_skips_rope_where_the_archive_says() {
     check("smollm3-tiny", thin_generated::smollm3_tiny::cuda::arch());
+}
+
+/// Every expert tensor the MoE kernels read is in the archive, stacked `[experts, rows, cols]` by
+/// the converter from HF's one tensor per expert: expert e's rows are the kernels' rows
+/// `e * rows ..` of one matrix (the leading dims are rows in every weight layout).
+#[test]
+fn olmoe_schedule_matches_its_archive() {
+    check("olmoe-tiny", thin_generated::olmoe_tiny::cuda::arch());
+    let dir = tempfile::tempdir().unwrap();
+    let ar = archive("olmoe-tiny", &dir);
+    let m = ar.manifest();
+    assert_eq!(m.tensor(Role::MoeGate, Some(0)).unwrap().shape, [8, 32, 64]);
+    assert_eq!(m.tensor(Role::MoeDown, Some(1)).unwrap().shape, [8, 64, 32]);
+    assert_eq!(m.tensor(Role::MoeRouter, Some(1)).unwrap().shape, [8, 64]);
 }
 
 #[test]
@@ -247,7 +334,7 @@ fn waits(src: &str, text: &str, depth: usize) -> bool {
 /// directly or through the matvec core, which calls it before staging its input.
 #[test]
 fn every_scheduled_kernel_waits_for_its_predecessor() {
-    let archs = [thin_generated::llama_tiny::cuda::arch(), thin_generated::smollm3_tiny::cuda::arch(), thin_generated::gemma3_tiny::cuda::arch()];
+    let archs = [thin_generated::llama_tiny::cuda::arch(), thin_generated::smollm3_tiny::cuda::arch(), thin_generated::gemma3_tiny::cuda::arch(), thin_generated::olmoe_tiny::cuda::arch()];
     for a in archs.into_iter().map(Result::unwrap) {
         let src = a.kernels;
         let core = &src[src.find("__device__ __forceinline__ void matvec(").expect("matvec core")..];

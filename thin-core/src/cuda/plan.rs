@@ -248,6 +248,18 @@ pub enum Buf {
     ArgPart,
     /// Prefill: the quantized matrix of the next GEMM decoded to bf16 (the largest such matrix).
     PW,
+    /// MoE router logits `[experts]` f32.
+    MoeLogits,
+    /// MoE routing of the token: the `top_k` chosen experts' indices (i32), best first, then their
+    /// weights (f32), `[2 * top_k]`. Written and read on the device only: the decode step never
+    /// brings the choice to the host.
+    MoeRoute,
+    /// The chosen experts' activations `act(gate) * up`, expert after expert, `[top_k * ffn]` f32.
+    MoeAct,
+    /// Prefill rows of [`Buf::MoeLogits`], [`Buf::MoeRoute`], [`Buf::MoeAct`].
+    PMoeLogits,
+    PMoeRoute,
+    PMoeAct,
 }
 
 /// A launch's grid as the schedule states it; [`Layout::grid`] resolves it for the machine (its
@@ -259,6 +271,9 @@ pub enum Grid {
     Matvec { weight: WeightRef, in_features: usize, rows: usize, nr: usize },
     /// One block per head and decode attention split: `(heads, splits, 1)`.
     HeadSplits { heads: usize },
+    /// [`Grid::Matvec`]'s blocks once for each row of the pass, rows in y: `(matvec, rows, 1)`
+    /// (decode: one row). The MoE kernels, whose every row reads its own experts.
+    MatvecRows { weight: WeightRef, in_features: usize, rows: usize, nr: usize },
     /// Exactly this grid.
     Fixed(u32, u32, u32),
     /// One block per prefill row: `(rows, 1, 1)`.
@@ -401,6 +416,7 @@ impl Layout {
         let splits = ctx.div_ceil(ATTN_CHUNK).next_multiple_of(ATTN_CLUSTER);
         let d = &a.dims;
         let (hidden, heads, head_dim, ffn, vocab) = (d.hidden_size as usize, d.num_heads as usize, d.head_dim as usize, d.intermediate_size as usize, d.vocab_size as usize);
+        let (experts, top_k) = (d.num_experts as usize, d.top_k as usize);
         let (q, kv) = (d.q_dim() as usize, d.kv_dim() as usize);
         let half = head_dim / 2;
         let r = prefill_rows.max(1);
@@ -425,6 +441,12 @@ impl Layout {
             Buf::PW => pw.unwrap_or(0),
             Buf::Cos(_) | Buf::Sin(_) => ctx * half * 4,
             Buf::KCache(_) | Buf::VCache(_) => ctx * kv * 2,
+            Buf::MoeLogits => experts * 4,
+            Buf::MoeRoute => 2 * top_k * 4,
+            Buf::MoeAct => top_k * ffn * 4,
+            Buf::PMoeLogits => r * experts * 4,
+            Buf::PMoeRoute => r * 2 * top_k * 4,
+            Buf::PMoeAct => r * top_k * ffn * 4,
         };
         // Tok and Pos are written by the host even where no kernel of the schedule reads them.
         let mut bufs = a.schedule.buffers();
@@ -476,6 +498,10 @@ impl Layout {
             Grid::Matvec { weight, in_features, rows: out, nr } => {
                 let vec = self.type_of(weight).map_or(4, weights_per_vec);
                 matvec_grid(in_features, out, nr, vec, self.sm_count, MATVEC_BLOCKS_PER_SM)
+            }
+            Grid::MatvecRows { weight, in_features, rows: out, nr } => {
+                let vec = self.type_of(weight).map_or(4, weights_per_vec);
+                (matvec_grid(in_features, out, nr, vec, self.sm_count, MATVEC_BLOCKS_PER_SM).0, r, 1)
             }
             Grid::HeadSplits { heads } => (heads as u32, self.splits as u32, 1),
             Grid::Fixed(x, y, z) => (x, y, z),
@@ -642,6 +668,23 @@ mod tests {
         assert!(off + n <= l.total_bytes, "{last:?}");
     }
 
+    /// The MoE buffers: per row the router logits, the route (top-k indices and weights) and the
+    /// chosen experts' activations; the MoE grids: the matvec's blocks once per row of the pass.
+    #[test]
+    fn moe_buffers_and_grids() {
+        let mut a = arch();
+        (a.dims.num_experts, a.dims.top_k) = (8, 2);
+        let down = (Role::MoeDown, Some(0));
+        let g = Grid::MatvecRows { weight: down, in_features: 128, rows: 64, nr: 2 };
+        let bufs = [Buf::X, Buf::MoeLogits, Buf::MoeRoute, Buf::MoeAct, Buf::PX, Buf::PMoeLogits, Buf::PMoeRoute, Buf::PMoeAct].map(Arg::Buf);
+        a.schedule.decode.push(Launch { kernel: "moe_down", typed_by: Some(down), grid: g, block: 256, args: [&bufs[..], &[Arg::Weight(Role::MoeDown, Some(0))]].concat() });
+        let l = Layout::new(&a, 64, 32, &bf16, 132).unwrap();
+        let sizes: Vec<usize> = [Buf::MoeLogits, Buf::MoeRoute, Buf::MoeAct, Buf::PMoeLogits, Buf::PMoeRoute, Buf::PMoeAct].iter().map(|b| l.get(*b).unwrap().1).collect();
+        assert_eq!(sizes, [8 * 4, 2 * 2 * 4, 2 * 128 * 4, 32 * 8 * 4, 32 * 2 * 2 * 4, 32 * 2 * 128 * 4]);
+        let x = matvec_grid(128, 64, 2, 8, 132, MATVEC_BLOCKS_PER_SM).0;
+        assert_eq!((l.grid(g, 1), l.grid(g, 7)), ((x, 1, 1), (x, 7, 1)));
+    }
+
     #[test]
     fn layout_rejects_bad_context() {
         let a = arch();
@@ -728,6 +771,14 @@ mod tests {
         assert_eq!((dev.len(), &dev[..bare.len()]), (mx(true), &bare[..]));
         let one = half::bf16::ONE.to_le_bytes();
         assert!(dev[dev.len() - 8..].chunks(2).all(|c| c == one), "four bf16 ones");
+        // A stacked expert tensor [experts, rows, cols] is one matrix of experts * rows rows (the
+        // MoE kernels index expert e's row r as e * rows + r): one postscale per such row.
+        let stacked = [2u64, 4, 64];
+        let bare = WeightLayout::of(DType::Mxfp4, &stacked, false).unwrap().byte_len as usize;
+        let dev = device_bytes(DType::Mxfp4, &stacked, Cow::Owned(vec![7; bare])).unwrap();
+        assert_eq!(dev.len() as u64, WeightLayout::of(DType::Mxfp4, &stacked, true).unwrap().byte_len);
+        assert_eq!(dev.len() as u64, device_len(DType::Mxfp4, &stacked, bare as u64));
+        assert!(dev[dev.len() - 16..].chunks(2).all(|c| c == one), "eight bf16 ones");
     }
 
     #[test]

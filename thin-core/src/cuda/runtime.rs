@@ -809,13 +809,16 @@ impl CudaEngine {
                 names.push(l.kernel);
             }
         }
-        // Weight bytes a launch reads: whole tensors, but one row of the embedding table.
+        // Weight bytes a launch reads: whole tensors, but one row of the embedding table and the
+        // chosen top_k of a stacked expert tensor's experts (as Manifest::weight_bytes_per_token).
         let row = self.offsets.get(&(Role::TokenEmbd, None)).map_or(0, |x| x.1 / self.spec.dims.vocab_size as usize);
+        let (experts, top_k) = (self.spec.dims.num_experts.max(1) as usize, self.spec.dims.top_k as usize);
         let wbytes = |ls: &[&Launch]| -> usize {
             ls.iter()
                 .flat_map(|l| l.args.iter().map(move |a| (l.kernel, a)))
                 .filter_map(|(k, a)| match a {
                     Arg::Weight(..) if k == "embed" => Some(row),
+                    Arg::Weight(r @ (Role::MoeGate | Role::MoeUp | Role::MoeDown), l) => self.offsets.get(&(*r, *l)).map(|x| x.1 / experts * top_k),
                     Arg::Weight(r, l) => self.offsets.get(&(*r, *l)).map(|x| x.1),
                     _ => None,
                 })

@@ -1,0 +1,184 @@
+// Harness appended to a rendered decode.cu by scripts/emu/run_moe.sh: the mixture-of-experts
+// kernels (moe_router, moe_topk, moe_gateup, moe_down) of one weight type (bf16, or FP8 e4m3 with
+// f32 row scales under MOE_FP8) against a float64 reference, for one row (the decode step) and
+// three rows (prefill's grid y), with and without renormalised weights. Every expert tensor is
+// mapped PROT_NONE and only the experts the route chose are opened (and filled): a read of any
+// other expert's rows is a segfault, reported as such, so the check also proves that only the
+// chosen experts' rows are read.
+#include <cstdio>
+#include <random>
+#include <csignal>
+#include <unistd.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <fcntl.h>
+#ifdef MOE_FP8
+using namespace w_f8_e4m3;
+#define KERNEL(name) name##_f8_e4m3
+constexpr int EB = 1;  // bytes a weight
+static const char* TYPE = "f8_e4m3";
+#else
+using namespace w_bf16;
+#define KERNEL(name) name##_bf16
+constexpr int EB = 2;
+static const char* TYPE = "bf16";
+#endif
+
+static std::mt19937 rng(11);
+static std::normal_distribution<float> nd(0.f, 1.f);
+static std::uniform_int_distribution<int> byte(0, 255);
+
+static double e4m3(unsigned b) {
+    int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
+    double v = e == 0 ? m * std::ldexp(1.0, -9) : (1 + m / 8.0) * std::ldexp(1.0, e - 7);
+    return s ? -v : v;
+}
+static bf16_t to_bf(float f) { unsigned u; memcpy(&u, &f, 4); u += 0x7fff + ((u >> 16) & 1); return (bf16_t)(u >> 16); }
+static double from_bf(bf16_t b) { unsigned u = (unsigned)b << 16; float f; memcpy(&f, &u, 4); return f; }
+
+// A stacked expert tensor [experts, rows, cols] as the runtime uploads it: values (row-major over
+// experts * rows rows), then for FP8 (64-byte aligned) one f32 scale per row. Values start
+// unmapped (PROT_NONE); open(e) maps expert e's rows and fills them with random weights.
+struct Experts {
+    int experts, rows, cols;
+    unsigned char* base;
+    size_t slice, scale_off, total;
+    std::vector<bool> opened;
+    Experts(int e, int r, int c) : experts(e), rows(r), cols(c), opened(e, false) {
+        slice = (size_t)r * c * EB;
+        scale_off = EB == 1 ? ((size_t)e * r * c + 63) & ~(size_t)63 : (size_t)e * slice;
+        total = scale_off + (EB == 1 ? (size_t)e * r * 4 : 0);
+        base = (unsigned char*)mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (base == MAP_FAILED) { perror("mmap"); std::exit(1); }
+        if (EB == 1) {  // the row scales: all readable (the kernels read only the chosen ones, but they share pages)
+            size_t page = scale_off & ~(size_t)4095;
+            mprotect(base + page, total - page, PROT_READ | PROT_WRITE);
+            for (size_t i = 0; i < (size_t)e * r; ++i) { float s = std::ldexp(1.0f + 0.5f * std::fabs(nd(rng)), -6 - (int)(i % 3)); memcpy(base + scale_off + 4 * i, &s, 4); }
+        }
+    }
+    // Expert e readable (filled with random weights the first time).
+    void open(int e) {
+        if (mprotect(base + e * slice, slice, PROT_READ | PROT_WRITE) != 0) { perror("mprotect"); std::exit(1); }
+        if (opened[e]) return;
+        opened[e] = true;
+        const float amp = 1.0f / std::sqrt((float)cols);
+        for (size_t i = 0; i < (size_t)rows * cols; ++i) {
+            if (EB == 1) { int b; do b = byte(rng); while ((b & 0x7f) == 0x7f); base[e * slice + i] = (unsigned char)b; }
+            else { bf16_t v = to_bf(amp * (2 * (nd(rng) > 0) - 1) * std::fabs(nd(rng))); memcpy(base + e * slice + 2 * i, &v, 2); }
+        }
+    }
+    // Every expert unreadable again (contents kept): each case maps only its own route's.
+    void close_all() {
+        if (mprotect(base, (size_t)experts * slice, PROT_NONE) != 0) { perror("mprotect"); std::exit(1); }
+    }
+    double w(int e, int r, int c) const {
+        size_t row = (size_t)e * rows + r, i = row * cols + c;
+        if (EB == 1) { float s; memcpy(&s, base + scale_off + 4 * row, 4); return e4m3(base[i]) * s; }
+        bf16_t v; memcpy(&v, base + 2 * i, 2); return from_bf(v);
+    }
+    const W* ptr() const { return reinterpret_cast<const W*>(base); }
+};
+
+static double worst = 0;
+static void cmp(const char* what, int row, int i, double got, double want, double mag, double tol = 1e-5) {
+    double e = std::fabs(got - want) / (mag + 1e-30);
+    worst = std::max(worst, e);
+    if (!(e <= tol)) { printf("%s row %d [%d]: got %.9g want %.9g (rel %.3g)\n", what, row, i, got, want, e); std::exit(1); }
+}
+
+static void segv(int) {
+    const char m[] = "SEGFAULT: a kernel read an expert the route did not choose\n";
+    if (write(2, m, sizeof m - 1)) {}
+    _exit(1);
+}
+
+int main() {
+    signal(SIGSEGV, segv);
+    // The router: every expert's row is read, so a plain tensor of the type.
+    Experts router(1, EXPERTS, HIDDEN);
+    router.open(0);
+    Experts gate(EXPERTS, FFN, HIDDEN), up(EXPERTS, FFN, HIDDEN), down(EXPERTS, HIDDEN, FFN);
+    int cases = 0;
+    for (int rows : {1, 3}) for (int renorm : {0, 1}) {
+        std::vector<float> x((size_t)rows * HIDDEN), g(HIDDEN), logits((size_t)rows * EXPERTS, NAN);
+        std::vector<int> route((size_t)rows * MOE_ROUTE, -1);
+        std::vector<float> act((size_t)rows * TOP_K * FFN, NAN);
+        for (auto& v : x) v = nd(rng);
+        for (auto& v : g) v = 1 + 0.1f * nd(rng);
+        // moe_router: logits = Wr rmsnorm(x) * g
+        launch({4, (unsigned)rows, 1}, MATVEC_THREADS, [&] { KERNEL(moe_router)(x.data(), g.data(), router.ptr(), logits.data()); });
+        std::vector<std::vector<double>> n(rows, std::vector<double>(HIDDEN));
+        for (int r = 0; r < rows; ++r) {
+            double ss = 0; for (int k = 0; k < HIDDEN; ++k) ss += (double)x[r * HIDDEN + k] * x[r * HIDDEN + k];
+            double inv = 1 / std::sqrt(ss / HIDDEN + EPS);
+            for (int k = 0; k < HIDDEN; ++k) n[r][k] = x[r * HIDDEN + k] * inv * g[k];
+            std::vector<double> want(EXPERTS); double mag = 0;
+            for (int e = 0; e < EXPERTS; ++e) { double s = 0; for (int k = 0; k < HIDDEN; ++k) s += router.w(0, e, k) * n[r][k]; want[e] = s; mag = std::max(mag, std::fabs(s)); }
+            for (int e = 0; e < EXPERTS; ++e) cmp("moe_router", r, e, logits[r * EXPERTS + e], want[e], mag);
+        }
+        // moe_topk: the TOP_K best of softmax(logits), lower index on ties, weights (renormalised)
+        launch({(unsigned)rows, 1, 1}, 32, [&] { moe_topk(logits.data(), renorm, route.data()); });
+        for (int r = 0; r < rows; ++r) {
+            const float* l = &logits[r * EXPERTS];
+            std::vector<int> order(EXPERTS); for (int e = 0; e < EXPERTS; ++e) order[e] = e;
+            std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return l[a] > l[b]; });
+            double mx = l[order[0]], sum = 0; for (int e = 0; e < EXPERTS; ++e) sum += std::exp((double)l[e] - mx);
+            double chosen = 0; for (int j = 0; j < TOP_K; ++j) chosen += std::exp((double)l[order[j]] - mx) / sum;
+            for (int j = 0; j < TOP_K; ++j) {
+                int got = route[r * MOE_ROUTE + j];
+                if (got != order[j]) { printf("moe_topk row %d: choice %d is expert %d, want %d\n", r, j, got, order[j]); return 1; }
+                float wgot; memcpy(&wgot, &route[r * MOE_ROUTE + TOP_K + j], 4);
+                double p = std::exp((double)l[order[j]] - mx) / sum;
+                cmp("moe_topk weight", r, j, wgot, renorm ? p / chosen : p, 1.0);
+            }
+        }
+        for (Experts* t : {&gate, &up, &down}) t->close_all();
+        for (int r = 0; r < rows; ++r) for (int j = 0; j < TOP_K; ++j) { int e = route[r * MOE_ROUTE + j]; gate.open(e); up.open(e); down.open(e); }
+        // moe_gateup: act[j * FFN + i] = silu(Wg[e_j] n)[i] * (Wu[e_j] n)[i]
+        launch({4, (unsigned)rows, 1}, MATVEC_THREADS, [&] { KERNEL(moe_gateup)(x.data(), g.data(), gate.ptr(), up.ptr(), route.data(), act.data()); });
+        for (int r = 0; r < rows; ++r) {
+            std::vector<double> want(TOP_K * FFN); double mag = 0;
+            for (int j = 0; j < TOP_K; ++j) {
+                int e = route[r * MOE_ROUTE + j];
+                for (int i = 0; i < FFN; ++i) {
+                    double a = 0, b = 0;
+                    for (int k = 0; k < HIDDEN; ++k) { a += gate.w(e, i, k) * n[r][k]; b += up.w(e, i, k) * n[r][k]; }
+                    want[j * FFN + i] = a / (1 + std::exp(-a)) * b; mag = std::max(mag, std::fabs(want[j * FFN + i]));
+                }
+            }
+            for (int i = 0; i < TOP_K * FFN; ++i) cmp("moe_gateup", r, i, act[(size_t)r * TOP_K * FFN + i], want[i], mag);
+        }
+        // The reference reads the chosen experts only too (the route's).
+        // moe_down: x += sum_j w_j Wd[e_j] act_j (act as the kernel left it)
+        std::vector<float> res(x);
+        launch({4, (unsigned)rows, 1}, MATVEC_THREADS, [&] { KERNEL(moe_down)(act.data(), down.ptr(), route.data(), res.data()); });
+        for (int r = 0; r < rows; ++r) {
+            std::vector<double> want(HIDDEN); double mag = 0;
+            for (int i = 0; i < HIDDEN; ++i) {
+                double s = x[r * HIDDEN + i];
+                for (int j = 0; j < TOP_K; ++j) {
+                    int e = route[r * MOE_ROUTE + j]; float wj; memcpy(&wj, &route[r * MOE_ROUTE + TOP_K + j], 4);
+                    double d = 0; for (int k = 0; k < FFN; ++k) d += down.w(e, i, k) * act[((size_t)r * TOP_K + j) * FFN + k];
+                    s += wj * d;
+                }
+                want[i] = s; mag = std::max(mag, std::fabs(s));
+            }
+            for (int i = 0; i < HIDDEN; ++i) cmp("moe_down", r, i, res[r * HIDDEN + i], want[i], mag);
+        }
+        ++cases;
+    }
+    // The guard works: a read of an expert no case's route mapped now dies in the handler.
+    for (Experts* t : {&gate, &up, &down}) t->close_all();
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(open("/dev/null", O_WRONLY), 2);  // the handler's message is expected here
+        volatile unsigned char c = gate.base[0];
+        (void)c;
+        _exit(0);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 1) { printf("the unmapped-expert guard did not fire\n"); return 1; }
+    int opened = 0; for (int e = 0; e < EXPERTS; ++e) opened += gate.opened[e];
+    printf("%s moe kernels match (%d cases, each with only its route's experts mapped: %d of %d over all; worst rel %.2e)\n", TYPE, cases, opened, EXPERTS, worst);
+}
