@@ -384,8 +384,9 @@ pub struct TimelineRow {
 
 pub use super::PREFILL_ROWS;
 
-/// The CUDA engine: every weight resident on the device, the decode step one graph, prefill
-/// batched (cuBLAS GEMMs over all prompt rows, causal attention over the cache).
+/// The CUDA engine: every weight resident on the device, or the streamed layers staged through
+/// a ring each pass ([`CudaOptions::streamed_layers`]); the decode step one graph, prefill batched
+/// (cuBLAS GEMMs over all prompt rows, causal attention over the cache).
 pub struct CudaEngine {
     _ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
