@@ -211,15 +211,18 @@ fn session_streamed_bytes(plan: Option<&serde_json::Value>) -> u64 {
 
 /// Teacher-forced logits: prefill `ids[..prompt_len]`, then feed each following id; writes one
 /// little-endian f32 row of `vocab` logits per position from `prompt_len - 1` to the end, from
-/// the CUDA engine or (`cpu`) the CPU reference engine.
-pub fn logits(file: &Path, ids_file: &Path, prompt_len: usize, out: &PathBuf, ctx: usize, cpu: bool) -> anyhow::Result<()> {
+/// the engine `opts` opens (the CUDA engine, placed as its `gpu_mem` and `residency` say, or the
+/// CPU reference engine).
+pub fn logits(file: &Path, ids_file: &Path, prompt_len: usize, out: &PathBuf, opts: &thin::Options) -> anyhow::Result<()> {
     let ids: Vec<u32> = serde_json::from_str(&std::fs::read_to_string(ids_file).with_context(|| format!("reading {}", ids_file.display()))?)
         .with_context(|| format!("{}: expected a JSON array of token ids", ids_file.display()))?;
     if prompt_len == 0 || prompt_len > ids.len() {
         bail!("--prompt-len {prompt_len} must be between 1 and the {} ids given", ids.len());
     }
-    let backend = if cpu { thin::Backend::Cpu } else { thin::Backend::Cuda };
-    let mut session = thin::open(file, &thin::Options { backend, ctx: Some(ctx), ..Default::default() }).with_context(|| format!("opening {}", file.display()))?;
+    let mut session = thin::open(file, opts).with_context(|| format!("opening {}", file.display()))?;
+    if let Some(p) = session.residency() {
+        eprintln!("{}", p.one_line());
+    }
     let e = session.engine();
     let tmp = out.with_extension("partial");
     let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?);

@@ -165,6 +165,13 @@ enum Command {
         /// The CPU reference engine instead of the GPU (the oracle the GPU is checked against).
         #[arg(long)]
         cpu: bool,
+        /// The most device memory the GPU engine may take (as for `run`).
+        #[arg(long, value_name = "SIZE", value_parser = parse_gpu_mem)]
+        gpu_mem: Option<u64>,
+        /// Where the weights live (as for `run`): `stream` under a --gpu-mem gives the logits of
+        /// streamed layers, to compare with `all` bit for bit.
+        #[arg(long, value_name = "all|stream|auto", default_value = "auto", value_parser = parse_residency)]
+        residency: thin::Residency,
     },
     /// Generate text from an archive with the engine compiled in for its architecture.
     Run(run::RunArgs),
@@ -282,7 +289,10 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             bench::bench(&file, &bench::BenchOptions { backend, ctx, warmup, steps, pp, tg, reps, json, profile, timeline, no_verify, gpu_mem, residency })
         }
         Command::Plan { file, gpu_mem, ctx, link_gb_s, json, residency } => plan::plan(&file, &plan::PlanOptions { gpu_mem, ctx, link_gb_s, json, residency }),
-        Command::Logits { file, ids, prompt_len, out, ctx, cpu } => bench::logits(&file, &ids, prompt_len, &out, ctx, cpu),
+        Command::Logits { file, ids, prompt_len, out, ctx, cpu, gpu_mem, residency } => {
+            let backend = if cpu { thin::Backend::Cpu } else { thin::Backend::Cuda };
+            bench::logits(&file, &ids, prompt_len, &out, &thin::Options { backend, ctx: Some(ctx), gpu_mem, residency, ..Default::default() })
+        }
         Command::Verify { file } => {
             let start = Instant::now();
             let a = Archive::open(&file).with_context(|| format!("opening {}", file.display()))?;

@@ -167,10 +167,10 @@ fn plan_streams_gemma3_tiny_under_a_limit() {
 }
 
 // Flags are checked as clap parses them, before any archive is opened: a bad size or residency
-// is exit 2 naming the flag, on every command that takes it.
+// is exit 2 naming the flag, on every command that takes them (chat and serve share run's).
 #[test]
 fn gpu_mem_and_residency_refuse_hostile_values() {
-    let cmds: [&[&str]; 3] = [&["run", "missing.thin", "--prompt", "x"], &["bench", "missing.thin"], &["plan", "missing.thin"]];
+    let cmds: [&[&str]; 4] = [&["run", "missing.thin", "--prompt", "x"], &["bench", "missing.thin"], &["plan", "missing.thin"], &["logits", "missing.thin", "--ids", "x.json", "--prompt-len", "1", "-o", "y.f32"]];
     for cmd in cmds {
         for bad in ["0", "0GiB", "-3", "1e400GiB", "4QB", "1.2.3G", "", "18446744073709551616", "17179869184GiB", "NaN", "inf"] {
             let mut args = cmd.to_vec();
