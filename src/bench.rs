@@ -34,6 +34,8 @@ pub struct BenchOptions {
     pub no_verify: bool,
     /// `--gpu-mem`: the most device memory the engine may take.
     pub gpu_mem: Option<u64>,
+    /// `--residency`.
+    pub residency: thin::Residency,
 }
 
 /// Prompt ids for a pp run: deterministic, spread over the vocabulary, no special meaning.
@@ -49,7 +51,7 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     } else {
         thin::Integrity::Verify
     };
-    let mut session = thin::open_with(file, &thin::Options { backend: opts.backend, ctx: Some(opts.ctx), progress: !opts.json, timeline: opts.timeline, gpu_mem: opts.gpu_mem }, integrity)
+    let mut session = thin::open_with(file, &thin::Options { backend: opts.backend, ctx: Some(opts.ctx), progress: !opts.json, timeline: opts.timeline, gpu_mem: opts.gpu_mem, residency: opts.residency }, integrity)
         .with_context(|| format!("opening {}", file.display()))?;
     let m = session.archive().manifest();
     let vocab = m.arch.dims.vocab_size as usize;
@@ -123,6 +125,11 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     // peak was read (its buffers are freed again).
     let copy = e.copy_rate_gb_s();
     let roofline = copy.map(|c| c * 1e9 / weight_bytes_per_token as f64);
+    // Streaming: the host link measured now with the engine's own copies, and the decode rate
+    // against the bound it sets (streamed bytes a token over that rate).
+    let streamed_bytes = session_streamed_bytes(plan.as_ref());
+    let link_gbps = if streamed_bytes > 0 { e.host_link_gb_s() } else { None };
+    let link_bound = link_gbps.map(|g| g * 1e9 / streamed_bytes as f64);
     let rec = json!({
         "model": name,
         "profile": profile,
@@ -147,6 +154,13 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
         "cold_start_to_first_token_s": first_token_s,
         "pages_verified": !opts.no_verify,
         "load": e.load_stats(),
+        "residency": plan.as_ref().and_then(|p| p.get("decision")).map(|d| if d == "stream" { "stream" } else { "all" }),
+        "residency_flag": opts.residency.name(),
+        "gpu_mem_limit": opts.gpu_mem,
+        "streamed_bytes_per_token": streamed_bytes,
+        "link_gbps": link_gbps,
+        "link_bound_tok_s": link_bound,
+        "link_bound_fraction": link_bound.map(|b| (1000.0 * decode_tok_s / b).round() / 1000.0),
         "plan": plan,
         "kernels": kernels,
         "timeline": timeline,
@@ -165,6 +179,9 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
         }
         if let (Some(p), Some(h)) = (peak, held) {
             println!("device memory: peak {p:.3} GiB (driver count), buffers {h:.3} GiB; cold start to first token {first_token_s:.2} s");
+        }
+        if let (Some(g), Some(b)) = (link_gbps, link_bound) {
+            println!("streaming {:.1} MiB a token over a {g:.1} GB/s host link: bound {b:.2} tok/s, decode at {:.0}% of it", streamed_bytes as f64 / (1u64 << 20) as f64, 100.0 * decode_tok_s / b);
         }
         if let Some(t) = &timeline {
             println!("in-step timeline over {} steps (start of the first kernel to start of the last: {:.1} µs)", t["steps"], t["first_to_last_start_us"].as_f64().unwrap_or(0.0));
@@ -187,17 +204,25 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Bytes the plan streams a token (0: all resident, or no plan on the CPU).
+fn session_streamed_bytes(plan: Option<&serde_json::Value>) -> u64 {
+    plan.and_then(|p| p["streamed_bytes_per_token"].as_u64()).unwrap_or(0)
+}
+
 /// Teacher-forced logits: prefill `ids[..prompt_len]`, then feed each following id; writes one
 /// little-endian f32 row of `vocab` logits per position from `prompt_len - 1` to the end, from
-/// the CUDA engine or (`cpu`) the CPU reference engine.
-pub fn logits(file: &Path, ids_file: &Path, prompt_len: usize, out: &PathBuf, ctx: usize, cpu: bool) -> anyhow::Result<()> {
+/// the engine `opts` opens (the CUDA engine, placed as its `gpu_mem` and `residency` say, or the
+/// CPU reference engine).
+pub fn logits(file: &Path, ids_file: &Path, prompt_len: usize, out: &PathBuf, opts: &thin::Options) -> anyhow::Result<()> {
     let ids: Vec<u32> = serde_json::from_str(&std::fs::read_to_string(ids_file).with_context(|| format!("reading {}", ids_file.display()))?)
         .with_context(|| format!("{}: expected a JSON array of token ids", ids_file.display()))?;
     if prompt_len == 0 || prompt_len > ids.len() {
         bail!("--prompt-len {prompt_len} must be between 1 and the {} ids given", ids.len());
     }
-    let backend = if cpu { thin::Backend::Cpu } else { thin::Backend::Cuda };
-    let mut session = thin::open(file, &thin::Options { backend, ctx: Some(ctx), ..Default::default() }).with_context(|| format!("opening {}", file.display()))?;
+    let mut session = thin::open(file, opts).with_context(|| format!("opening {}", file.display()))?;
+    if let Some(p) = session.residency() {
+        eprintln!("{}", p.one_line());
+    }
     let e = session.engine();
     let tmp = out.with_extension("partial");
     let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?);

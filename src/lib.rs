@@ -25,7 +25,7 @@ use thin_core::tokenizer::{ChatMessage, TextTokenizer, TokenizerError};
 
 pub use thin_core::cuda::CudaOptions;
 pub use thin_core::format::PagesChecked;
-pub use thin_core::residency::{Budget, Link, LinkSource, ResidencyError, ResidencyPlan};
+pub use thin_core::residency::{Budget, Link, LinkSource, Residency, ResidencyError, ResidencyPlan};
 
 /// What a token callback may fail with (its own I/O, a closed connection).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -125,18 +125,23 @@ pub struct Options {
     /// `--gpu-mem`: the most device memory the CUDA engine may take ([`Budget::gpu_mem`]);
     /// `None`: the free memory.
     pub gpu_mem: Option<u64>,
+    /// `--residency`: every weight on the device, layers streamed from host memory, or the
+    /// first when it fits ([`Residency`]).
+    pub residency: Residency,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { backend: Backend::Auto, ctx: None, progress: false, timeline: false, gpu_mem: None }
+        Options { backend: Backend::Auto, ctx: None, progress: false, timeline: false, gpu_mem: None, residency: Residency::Auto }
     }
 }
 
-/// Where `archive`'s weights would live on the GPU at `ctx` positions within `budget` (host
-/// only: nothing is allocated, no GPU is needed): the CUDA buffer layout of the engine compiled
-/// in for its arch, the archive's tensor sizes and pages, [`thin_core::residency::plan`].
-pub fn residency_plan(archive: &Archive, ctx: usize, budget: Budget, link: Link) -> Result<ResidencyPlan, Error> {
+/// Where `archive`'s weights would live on the GPU at `ctx` positions within `budget` under
+/// `residency` (host only: nothing is allocated, no GPU is needed): the CUDA buffer layout of the
+/// engine compiled in for its arch, the archive's tensor sizes and pages,
+/// [`thin_core::residency::plan`]; a plan that streams is checked against the decode step's and
+/// prefill's launch order ([`thin_core::cuda::plan::ring_uses`]) as the runtime will stage it.
+pub fn residency_plan(archive: &Archive, ctx: usize, budget: Budget, link: Link, residency: Residency) -> Result<ResidencyPlan, Error> {
     let m = archive.manifest();
     if ctx as u64 > m.arch.max_position_embeddings {
         return Err(Error::CtxAboveModel { ctx, model_max: m.arch.max_position_embeddings });
@@ -146,7 +151,20 @@ pub fn residency_plan(archive: &Archive, ctx: usize, budget: Budget, link: Link)
     let layout = thin_core::cuda::plan::Layout::new(&arch, ctx, thin_core::cuda::PREFILL_ROWS.min(ctx), &|(r, l)| m.tensor(r, l).map(|t| t.dtype), 1)
         .map_err(|e| Error::Cuda(e.to_string()))?;
     let demand = thin_core::residency::Demand::of(m, &layout)?;
-    Ok(thin_core::residency::plan(&demand, budget, link)?)
+    let plan = thin_core::residency::plan(&demand, budget, link, residency)?;
+    check_ring_order(&arch, &plan.streamed_layers, plan.ring_slots)?;
+    Ok(plan)
+}
+
+/// The decode step and a prefill pass can stage `streamed` through a ring of `slots` (as the
+/// runtime will, [`thin_core::cuda::plan::ring_uses`]).
+pub fn check_ring_order(arch: &thin_core::cuda::plan::CudaArch, streamed: &[u32], slots: usize) -> Result<(), Error> {
+    let decode: Vec<Vec<_>> = arch.schedule.decode.iter().map(|l| l.weights().collect()).collect();
+    let prefill: Vec<Vec<_>> = arch.schedule.prefill.iter().map(|s| s.weights()).collect();
+    for steps in [decode, prefill] {
+        thin_core::cuda::plan::ring_uses(&steps, streamed, slots).map_err(|e| Error::Cuda(e.to_string()))?;
+    }
+    Ok(())
 }
 
 /// The CUDA schedule compiled into this binary for the archive's shapes and math.
@@ -187,6 +205,11 @@ pub trait LoadedEngine: Engine + Send {
     }
     /// The device's copy rate in GB/s (read + written), measured now; `None` on the CPU.
     fn copy_rate_gb_s(&self) -> Option<f64> {
+        None
+    }
+    /// Host-to-device copy rate from page-locked memory in GB/s, measured now (the streamed
+    /// layers' own copies when some stream); `None` on the CPU.
+    fn host_link_gb_s(&self) -> Option<f64> {
         None
     }
     /// Per-kernel device times of the decode step.
@@ -251,6 +274,9 @@ impl LoadedEngine for thin_core::cuda::runtime::CudaEngine {
     fn copy_rate_gb_s(&self) -> Option<f64> {
         thin_core::cuda::runtime::CudaEngine::copy_rate_gb_s(self).ok()
     }
+    fn host_link_gb_s(&self) -> Option<f64> {
+        thin_core::cuda::runtime::CudaEngine::host_link_gb_s(self).ok()
+    }
     fn profile(&mut self, reps: usize) -> Result<serde_json::Value, Error> {
         let rows = thin_core::cuda::runtime::CudaEngine::profile(self, reps).map_err(|e| Error::Cuda(e.to_string()))?;
         self.reset();
@@ -262,25 +288,26 @@ impl LoadedEngine for thin_core::cuda::runtime::CudaEngine {
     }
 }
 
-/// The CUDA engine compiled into this binary for the archive's arch, after its residency plan
-/// (within `gpu_mem` and the free memory) says every weight fits: the runtime runs only that way,
-/// so a plan that would stream is refused with the plan. The plan's line goes to stderr with
-/// progress on.
+/// The CUDA engine compiled into this binary for the archive's arch, with the weights placed as
+/// its residency plan (within `gpu_mem` and the free memory, under `residency`) says: the layers
+/// it streams are staged from host memory. A plan that cannot run is refused before the engine
+/// allocates anything. The plan's line goes to stderr with progress on.
 #[cfg(feature = "cuda")]
-fn open_cuda(archive: &Archive, opts: &CudaOptions, gpu_mem: Option<u64>) -> Result<(Box<dyn LoadedEngine>, ResidencyPlan), Error> {
+fn open_cuda(archive: &Archive, opts: &CudaOptions, gpu_mem: Option<u64>, residency: Residency) -> Result<(Box<dyn LoadedEngine>, ResidencyPlan), Error> {
     let arch = cuda_arch(archive.manifest())?;
     // Held until the engine has its buffers: the engine opens the same primary context.
     let (free, _ctx) = thin_core::cuda::free_device_bytes().map_err(Error::Cuda)?;
-    let plan = residency_plan(archive, opts.ctx, Budget { gpu_mem, free: Some(free) }, Link::default())?.require_all_resident()?;
+    let plan = residency_plan(archive, opts.ctx, Budget { gpu_mem, free: Some(free) }, Link::default(), residency)?;
     if opts.progress {
         eprintln!("{}", plan.one_line());
     }
-    let e = thin_core::cuda::runtime::CudaEngine::new(archive, &arch, opts).map_err(|e| Error::Cuda(e.to_string()))?;
+    let opts = CudaOptions { streamed_layers: plan.streamed_layers.clone(), ..opts.clone() };
+    let e = thin_core::cuda::runtime::CudaEngine::new(archive, &arch, &opts).map_err(|e| Error::Cuda(e.to_string()))?;
     Ok((Box::new(e), plan))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn open_cuda(_archive: &Archive, _opts: &CudaOptions, _gpu_mem: Option<u64>) -> Result<(Box<dyn LoadedEngine>, ResidencyPlan), Error> {
+fn open_cuda(_archive: &Archive, _opts: &CudaOptions, _gpu_mem: Option<u64>, _residency: Residency) -> Result<(Box<dyn LoadedEngine>, ResidencyPlan), Error> {
     Err(Error::NoCudaBuild)
 }
 
@@ -337,7 +364,7 @@ pub fn open_with(path: &Path, opts: &Options, integrity: Integrity) -> Result<Se
         Some(ctx) => ctx,
         None => DEFAULT_CTX.min(model_max as usize),
     };
-    let cuda = CudaOptions { ctx, progress: opts.progress, timeline: opts.timeline };
+    let cuda = CudaOptions { ctx, progress: opts.progress, timeline: opts.timeline, streamed_layers: Vec::new() };
     let cpu = |a: Arc<Archive>| -> Result<Box<dyn LoadedEngine>, Error> {
         let model_max = a.manifest().arch.max_position_embeddings;
         let fingerprint = a.manifest().shape_fingerprint.clone();
@@ -352,8 +379,8 @@ pub fn open_with(path: &Path, opts: &Options, integrity: Integrity) -> Result<Se
     let on_cpu = |a: Arc<Archive>| cpu(a).map(|e| (e, "cpu", None));
     let loaded = match opts.backend {
         Backend::Cpu => on_cpu(archive.clone()),
-        Backend::Cuda => open_cuda(&archive, &cuda, opts.gpu_mem).map(|(e, p)| (e, "cuda", Some(p))),
-        Backend::Auto if cfg!(feature = "cuda") => match open_cuda(&archive, &cuda, opts.gpu_mem) {
+        Backend::Cuda => open_cuda(&archive, &cuda, opts.gpu_mem, opts.residency).map(|(e, p)| (e, "cuda", Some(p))),
+        Backend::Auto if cfg!(feature = "cuda") => match open_cuda(&archive, &cuda, opts.gpu_mem, opts.residency) {
             Ok((e, p)) => Ok((e, "cuda", Some(p))),
             Err(e) => {
                 eprintln!("CUDA backend unavailable ({e}); using the CPU backend");

@@ -40,6 +40,11 @@ pub(crate) fn parse_gpu_mem(s: &str) -> Result<u64, String> {
     thin_core::residency::parse_size(s).map_err(|e| e.to_string())
 }
 
+/// `--residency all|stream|auto`, checked as clap parses it.
+pub(crate) fn parse_residency(s: &str) -> Result<thin::Residency, String> {
+    s.parse()
+}
+
 /// `--profile NAME|PATH`: a shipped profile or a user's TOML file, checked as clap parses it.
 fn parse_profile(s: &str) -> Result<Profile, String> {
     Profile::load(s).map_err(|e| e.to_string())
@@ -90,6 +95,11 @@ enum Command {
         /// Host-to-device bandwidth for the tok/s bound [default: 50, assumed for PCIe Gen5 x16].
         #[arg(long, value_name = "GB/S", value_parser = plan::parse_link_gb_s)]
         link_gb_s: Option<f64>,
+        /// all: every weight on the device or refused; stream: the layers that do not fit stream
+        /// from host memory; auto: all when it fits with 1 GiB of the free memory to spare
+        /// (none kept back from a given --gpu-mem), else as stream.
+        #[arg(long, value_name = "all|stream|auto", default_value = "auto", value_parser = parse_residency)]
+        residency: thin::Residency,
         /// One JSON object instead of the table.
         #[arg(long)]
         json: bool,
@@ -128,10 +138,16 @@ enum Command {
         /// cold start figure).
         #[arg(long)]
         no_verify: bool,
-        /// The most device memory the engine may take (e.g. 4GiB); above what every weight
-        /// resident needs, the load is refused with the plan.
+        /// The most device memory the engine may take (e.g. 4GiB): the layers that do not fit
+        /// stream from host memory (--residency), below what streaming needs the load is refused
+        /// with the plan and the smallest --gpu-mem that runs.
         #[arg(long, value_name = "SIZE", value_parser = parse_gpu_mem)]
         gpu_mem: Option<u64>,
+        /// all: every weight on the device or refused; stream: the layers that do not fit stream
+        /// from host memory; auto: all when it fits with 1 GiB of the free memory to spare, else
+        /// as stream.
+        #[arg(long, value_name = "all|stream|auto", default_value = "auto", value_parser = parse_residency)]
+        residency: thin::Residency,
     },
     /// Teacher-forced logits of the GPU engine over given ids, as raw f32 rows (for fidelity checks).
     Logits {
@@ -149,6 +165,13 @@ enum Command {
         /// The CPU reference engine instead of the GPU (the oracle the GPU is checked against).
         #[arg(long)]
         cpu: bool,
+        /// The most device memory the GPU engine may take (as for `run`).
+        #[arg(long, value_name = "SIZE", value_parser = parse_gpu_mem)]
+        gpu_mem: Option<u64>,
+        /// Where the weights live (as for `run`): `stream` under a --gpu-mem gives the logits of
+        /// streamed layers, to compare with `all` bit for bit.
+        #[arg(long, value_name = "all|stream|auto", default_value = "auto", value_parser = parse_residency)]
+        residency: thin::Residency,
     },
     /// Generate text from an archive with the engine compiled in for its architecture.
     Run(run::RunArgs),
@@ -262,11 +285,14 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Bench { file, backend, ctx, warmup, steps, pp, tg, reps, json, profile, timeline, no_verify, gpu_mem } => {
-            bench::bench(&file, &bench::BenchOptions { backend, ctx, warmup, steps, pp, tg, reps, json, profile, timeline, no_verify, gpu_mem })
+        Command::Bench { file, backend, ctx, warmup, steps, pp, tg, reps, json, profile, timeline, no_verify, gpu_mem, residency } => {
+            bench::bench(&file, &bench::BenchOptions { backend, ctx, warmup, steps, pp, tg, reps, json, profile, timeline, no_verify, gpu_mem, residency })
         }
-        Command::Plan { file, gpu_mem, ctx, link_gb_s, json } => plan::plan(&file, &plan::PlanOptions { gpu_mem, ctx, link_gb_s, json }),
-        Command::Logits { file, ids, prompt_len, out, ctx, cpu } => bench::logits(&file, &ids, prompt_len, &out, ctx, cpu),
+        Command::Plan { file, gpu_mem, ctx, link_gb_s, json, residency } => plan::plan(&file, &plan::PlanOptions { gpu_mem, ctx, link_gb_s, json, residency }),
+        Command::Logits { file, ids, prompt_len, out, ctx, cpu, gpu_mem, residency } => {
+            let backend = if cpu { thin::Backend::Cpu } else { thin::Backend::Cuda };
+            bench::logits(&file, &ids, prompt_len, &out, &thin::Options { backend, ctx: Some(ctx), gpu_mem, residency, ..Default::default() })
+        }
         Command::Verify { file } => {
             let start = Instant::now();
             let a = Archive::open(&file).with_context(|| format!("opening {}", file.display()))?;

@@ -12,6 +12,7 @@ pub struct PlanOptions {
     pub ctx: Option<usize>,
     pub link_gb_s: Option<f64>,
     pub json: bool,
+    pub residency: thin::Residency,
 }
 
 /// `--link-gb-s X`: a positive, finite number of GB/s.
@@ -29,7 +30,7 @@ pub fn plan(file: &Path, opts: &PlanOptions) -> anyhow::Result<()> {
     let budget = Budget { gpu_mem: opts.gpu_mem, free: thin::free_device_bytes() };
     let link = opts.link_gb_s.map_or_else(Link::default, |gb_s| Link { gb_s, source: LinkSource::Given });
     let arch = thin_generated::arch_name(&m.shape_fingerprint).unwrap_or("?");
-    let (plan, refusal) = match thin::residency_plan(&a, ctx, budget, link) {
+    let (plan, refusal) = match thin::residency_plan(&a, ctx, budget, link, opts.residency) {
         Ok(p) => (p, None),
         Err(thin::Error::Residency(e @ ResidencyError::DoesNotFit { .. })) => {
             let ResidencyError::DoesNotFit { plan, .. } = &e else { unreachable!() };

@@ -68,9 +68,15 @@ pub struct RunControl {
     #[arg(long)]
     pub no_verify: bool,
     /// The most device memory the CUDA engine may take, e.g. 4GiB, 512MiB [default: the free
-    /// memory]; above what every weight resident needs, the load is refused with the plan.
+    /// memory]: the layers that do not fit stream from host memory (--residency); below what
+    /// streaming needs the load is refused with the plan and the smallest --gpu-mem that runs.
     #[arg(long, value_name = "SIZE", value_parser = crate::parse_gpu_mem)]
     pub gpu_mem: Option<u64>,
+    /// all: every weight on the GPU or refused; stream: the layers that do not fit stream from
+    /// host memory each token; auto: all when it fits with 1 GiB of the free memory to spare
+    /// (none kept back from a given --gpu-mem), else as stream.
+    #[arg(long, value_name = "all|stream|auto", default_value = "auto", value_parser = crate::parse_residency)]
+    pub residency: thin::Residency,
 }
 
 // Flags are checked as clap parses them (negative numbers reach these parsers instead of clap's
@@ -141,7 +147,7 @@ impl RunControl {
         } else {
             thin::Integrity::Verify
         };
-        let opts = thin::Options { backend: self.backend, ctx: self.ctx, progress: true, gpu_mem: self.gpu_mem, ..Default::default() };
+        let opts = thin::Options { backend: self.backend, ctx: self.ctx, progress: true, gpu_mem: self.gpu_mem, residency: self.residency, ..Default::default() };
         thin::open_with(model, &opts, integrity).with_context(|| format!("loading {}", model.display()))
     }
 

@@ -29,7 +29,9 @@
 //! matrix in FP8 e4m3 with row scales, then every matrix in MXFP4 (layer 0 and the embedding with
 //! a row postscale, the rest without), then every matrix in GGUF Q8_0 blocks, then in Q4_1
 //! blocks: the quantized instances, and prefill's dequant before its GEMMs. Not covered:
-//! the decode graph and the prefill pass as wholes.
+//! the decode graph and the prefill pass as wholes (except in `*_stream_equals_all`: whole
+//! prefill passes and decode graphs with layers streamed against every weight resident, bit for
+//! bit; `THIN_STREAM_ARCHIVE=x.thin` adds a real archive of one of the archs).
 #![cfg(feature = "cuda")]
 #![cfg_attr(not(any(feature = "smollm2-135m", feature = "llama3.2-1b", feature = "smollm3-3b", feature = "gemma3-270m", feature = "olmoe-1b-7b")), allow(dead_code, unused_imports))]
 
@@ -43,7 +45,7 @@ use thin_core::cuda::plan::{self, Arg, Buf, CudaArch, Gemm, Grid, Launch, RopeTa
 use thin_core::cuda::runtime::CudaOptions;
 use thin_core::cuda::runtime::{CudaEngine, CudaError, WeightSource};
 use thin_core::dtype::DType;
-use thin_core::engine::WeightView;
+use thin_core::engine::{Engine, WeightView};
 use thin_core::role::Role;
 use thin_core::weight_format::WeightLayout;
 
@@ -1448,4 +1450,95 @@ fn whole_qk_norm_kernels_match_cpu_reference() {
     let a = CudaArch { arch: "smollm2-135m+whole-qk-norm", schedule, kernels, ..m::cuda::arch().expect("a CUDA schedule") };
     assert!(whole_qk_norm(&a));
     run_arch(a, llama_ref(m::consts::RMS_EPS, m::consts::HEAD_DIM));
+}
+
+/// Weight streaming moves where a streamed layer's matrices are read from (a ring slot, refilled
+/// from page-locked host memory every pass), never what is computed: logits with layers streamed
+/// equal those with every weight resident bit for bit, from the same weights. Per arch and weight
+/// source: an engine with every weight resident, one with every layer streamed (no resident
+/// prefix: the first copies have nothing to overlap) and one with the second half streamed; each
+/// prefills a 600-token prompt (two prefill passes of 512 and 88 rows: the ring refilled between
+/// them), then takes 24 decode steps feeding its own argmax (the decode graph replayed, the ring
+/// refilled every step), comparing every logit's bits; then, after a reset, 8 greedy steps on the
+/// device, comparing the ids. Sources: random bf16 weights and random Q8_0 blocks (split at
+/// upload: the pinned copy holds the device layout), and `THIN_STREAM_ARCHIVE=path.thin` if given
+/// (an archive of the arch under test). Only runs on a device; passes with "skipped" without one.
+fn stream_equals_all(a: &CudaArch, src: &dyn WeightSource, what: &str) {
+    const CTX_STREAM: usize = 1024;
+    let vocab = a.dims.vocab_size as usize;
+    let layers = a.dims.num_layers as u32;
+    let prompt: Vec<u32> = (0..600u64).map(|i| ((i * 7919 + 13) % vocab as u64) as u32).collect();
+    let run = |streamed: Vec<u32>| -> Option<(Vec<Vec<f32>>, Vec<u32>, usize)> {
+        let opts = CudaOptions { streamed_layers: streamed.clone(), ..CudaOptions::new(CTX_STREAM) };
+        let mut e = match CudaEngine::with_weights(src, a, &opts) {
+            Ok(e) => e,
+            Err(CudaError::NoDriver) => return None,
+            Err(err) => panic!("{} ({what}): bringing up the engine with layers {streamed:?} streamed: {err}", a.arch),
+        };
+        assert_eq!(e.stats.streamed_layers, streamed);
+        assert_eq!(e.stats.ring_bytes > 0, !streamed.is_empty());
+        let mut rows = vec![e.prefill(&prompt).expect("prefill").to_vec()];
+        for _ in 0..24 {
+            let next = thin_core::sampler::argmax(rows.last().expect("a row"));
+            rows.push(e.decode_step(next).expect("decode step").to_vec());
+        }
+        e.reset();
+        let mut ids = vec![thin_core::sampler::argmax(e.prefill(&prompt[..5]).expect("prefill"))];
+        for _ in 0..8 {
+            let t = *ids.last().expect("an id");
+            ids.push(e.next_greedy(t).expect("greedy step"));
+        }
+        Some((rows, ids, e.stats.ring_bytes))
+    };
+    let Some((want_rows, want_ids, _)) = run(Vec::new()) else {
+        println!("{} ({what}): skipped: no CUDA driver", a.arch);
+        return;
+    };
+    for streamed in [(0..layers).collect::<Vec<u32>>(), (layers / 2..layers).collect()] {
+        let (rows, ids, ring) = run(streamed.clone()).expect("the driver answered once");
+        for (i, (got, want)) in rows.iter().zip(&want_rows).enumerate() {
+            let diff = got.iter().zip(want).position(|(g, w)| g.to_bits() != w.to_bits());
+            assert!(diff.is_none(), "{} ({what}), layers {}..{} streamed: row {i} (0: prefill) differs at logit {diff:?}", a.arch, streamed[0], layers);
+        }
+        assert_eq!(ids, want_ids, "{} ({what}): greedy ids", a.arch);
+        println!("{} ({what}): layers {}..{} streamed through a ring of {ring} bytes: {} logit rows and {} greedy ids equal bit for bit", a.arch, streamed[0], layers, rows.len(), ids.len() - 1);
+    }
+}
+
+fn stream_equals_all_for(a: CudaArch) {
+    let _gpu = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    let seed = a.arch.bytes().fold(0x7374_7265_616d_u64, |s, b| mix(s ^ b as u64));
+    for m in [Mix::Bf16, Mix::Q8_0] {
+        stream_equals_all(&a, &RandomWeights::new(&a, seed, m), &format!("random {m:?}"));
+    }
+    if let Some(path) = std::env::var_os("THIN_STREAM_ARCHIVE") {
+        let archive = thin_core::format::Archive::open(std::path::Path::new(&path)).expect("THIN_STREAM_ARCHIVE opens");
+        if archive.manifest().shape_fingerprint == a.fingerprint {
+            stream_equals_all(&a, &archive, &format!("{}", std::path::Path::new(&path).display()));
+        }
+    }
+}
+
+#[cfg(feature = "smollm2-135m")]
+#[test]
+fn smollm2_135m_stream_equals_all() {
+    stream_equals_all_for(thin_generated::smollm2_135m::cuda::arch().expect("a CUDA schedule"));
+}
+
+#[cfg(feature = "llama3.2-1b")]
+#[test]
+fn llama3_2_1b_stream_equals_all() {
+    stream_equals_all_for(thin_generated::llama3_2_1b::cuda::arch().expect("a CUDA schedule"));
+}
+
+#[cfg(feature = "smollm3-3b")]
+#[test]
+fn smollm3_3b_stream_equals_all() {
+    stream_equals_all_for(thin_generated::smollm3_3b::cuda::arch().expect("a CUDA schedule"));
+}
+
+#[cfg(feature = "gemma3-270m")]
+#[test]
+fn gemma3_270m_stream_equals_all() {
+    stream_equals_all_for(thin_generated::gemma3_270m::cuda::arch().expect("a CUDA schedule"));
 }

@@ -108,7 +108,7 @@ fn plans_of_the_other_tiny_fixtures_count_every_weight() {
     for name in ["smollm3-tiny", "gemma3-tiny", "olmoe-tiny"] {
         let a = thin_core::format::Archive::open(&convert(name, tmp.path())).expect("open");
         let m = a.manifest();
-        let p = thin::residency_plan(&a, 32, thin::Budget { gpu_mem: Some(1 << 30), free: None }, thin::Link::default()).expect("plan");
+        let p = thin::residency_plan(&a, 32, thin::Budget { gpu_mem: Some(1 << 30), free: None }, thin::Link::default(), thin::Residency::Auto).expect("plan");
         let aligned: u64 = m.tensors.iter().map(|t| t.byte_len.div_ceil(256) * 256).sum();
         assert_eq!(p.weight_bytes, aligned, "{name}");
         assert_eq!(p.layer_bytes.len() as u64, m.arch.dims.num_layers, "{name}");
@@ -116,4 +116,103 @@ fn plans_of_the_other_tiny_fixtures_count_every_weight() {
         // K and V bf16 of every layer at ctx 32.
         assert_eq!(p.kv_bytes, d.num_layers * 2 * 32 * d.num_kv_heads * d.head_dim * 2, "{name}");
     }
+}
+
+// gemma3-tiny (6 layers, bf16): below the all-resident budget `stream` keeps the first layers
+// that fit and streams the rest through a ring of two, each streamed matrix with its pages;
+// `all` refuses the same budget naming both limits; below the ring's need every mode refuses
+// with the smallest --gpu-mem that runs.
+#[test]
+fn plan_streams_gemma3_tiny_under_a_limit() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let a = convert("gemma3-tiny", tmp.path());
+    let (_, v) = plan_json(&a, &["--gpu-mem", "1GiB"]);
+    let (all, min) = (v["all_resident_bytes"].as_u64().expect("all"), v["min_stream_bytes"].as_u64().expect("min"));
+    let layer = v["layer_bytes"][0].as_u64().expect("a layer");
+    assert!(v["layer_bytes"].as_array().expect("layers").iter().all(|b| b.as_u64() == Some(layer)), "equal layers");
+    assert_eq!(min, all - 4 * layer, "every layer streamed: six layers' worth less the ring's two");
+    // A byte short of all resident: three layers resident and the ring's two (five layers' worth)
+    // fit, four resident would take six.
+    let short = (all - 1).to_string();
+    for r in ["stream", "auto"] {
+        let (o, v) = plan_json(&a, &["--gpu-mem", &short, "--residency", r]);
+        assert!(o.status.success(), "{r}: {}", String::from_utf8_lossy(&o.stderr));
+        assert_eq!((v["decision"].as_str(), v["residency"].as_str(), v["fits"].as_bool()), (Some("stream"), Some(r), Some(true)));
+        assert_eq!(v["resident_layers"], serde_json::json!([0, 1, 2]));
+        assert_eq!(v["streamed_layers"], serde_json::json!([3, 4, 5]));
+        assert_eq!((v["ring_slots"].as_u64(), v["ring_slot_bytes"].as_u64()), (Some(2), Some(layer)));
+        assert_eq!((v["streamed_bytes_per_token"].as_u64(), v["pinned_host_bytes"].as_u64()), (Some(3 * layer), Some(3 * layer)));
+        assert_eq!(v["device_bytes"].as_u64(), Some(all - layer));
+        let ring = v["ring"].as_array().expect("ring");
+        assert_eq!(ring.iter().map(|l| (l["layer"].as_u64(), l["slot"].as_u64(), l["host_offset"].as_u64())).collect::<Vec<_>>(), [(Some(3), Some(0), Some(0)), (Some(4), Some(1), Some(layer)), (Some(5), Some(0), Some(2 * layer))]);
+        // Gemma's seven matrices a layer, each on its own pages of the archive.
+        let pages: u64 = ring.iter().flat_map(|l| l["tensors"].as_array().expect("tensors")).map(|t| t["page_count"].as_u64().expect("pages")).sum();
+        assert_eq!(ring[0]["tensors"].as_array().expect("tensors").len(), 7);
+        assert_eq!(v["streamed_pages_per_token"].as_u64(), Some(pages));
+        assert!(pages >= 21, "{pages}");
+    }
+    let (o, v) = plan_json(&a, &["--gpu-mem", &short, "--residency", "all"]);
+    assert_eq!((o.status.code(), v["fits"].as_bool(), v["decision"].as_str()), (Some(1), Some(false), Some("all_resident")));
+    let e = v["error"].as_str().expect("error");
+    assert!(e.contains("--residency all") && e.contains(&format!("--gpu-mem {}MiB", all.div_ceil(1 << 20))) && e.contains(&format!("from --gpu-mem {}MiB", min.div_ceil(1 << 20))), "{e}");
+    // Below the ring's need: refused in every mode, with the limit that runs.
+    let below = (min - 1).to_string();
+    for r in ["stream", "auto"] {
+        let (o, v) = plan_json(&a, &["--gpu-mem", &below, "--residency", r]);
+        assert_eq!((o.status.code(), v["fits"].as_bool(), v["device_bytes"].as_u64()), (Some(1), Some(false), Some(min)));
+        assert!(v["error"].as_str().expect("error").contains(&format!("The smallest that runs: --gpu-mem {}MiB", min.div_ceil(1 << 20))), "{}", v["error"]);
+    }
+    let text = thin(&["plan", a.to_str().expect("utf8"), "--gpu-mem", &short]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("stream 3 of 6 layers") && text.contains("layers 3-5") && text.contains("pinned host memory"), "{text}");
+}
+
+// Flags are checked as clap parses them, before any archive is opened: a bad size or residency
+// is exit 2 naming the flag, on every command that takes them (chat and serve share run's).
+#[test]
+fn gpu_mem_and_residency_refuse_hostile_values() {
+    let cmds: [&[&str]; 4] = [&["run", "missing.thin", "--prompt", "x"], &["bench", "missing.thin"], &["plan", "missing.thin"], &["logits", "missing.thin", "--ids", "x.json", "--prompt-len", "1", "-o", "y.f32"]];
+    for cmd in cmds {
+        for bad in ["0", "0GiB", "-3", "1e400GiB", "4QB", "1.2.3G", "", "18446744073709551616", "17179869184GiB", "NaN", "inf"] {
+            let mut args = cmd.to_vec();
+            let flag = format!("--gpu-mem={bad}");
+            args.push(&flag);
+            let o = thin(&args);
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(o.status.code(), Some(2), "{cmd:?} {flag}: {err}");
+            assert!(err.contains("--gpu-mem"), "{cmd:?} {flag}: {err}");
+        }
+        for bad in ["", "bogus", "ALL", "streaming"] {
+            let mut args = cmd.to_vec();
+            let flag = format!("--residency={bad}");
+            args.push(&flag);
+            let o = thin(&args);
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(o.status.code(), Some(2), "{cmd:?} {flag}: {err}");
+            assert!(err.contains("--residency") && err.contains("all, stream or auto"), "{cmd:?} {flag}: {err}");
+        }
+    }
+}
+
+// The real decode and prefill schedules of every CUDA arch compiled into the tests can stage any
+// set of layers through the ring: each layer's matrices are read in one run of steps, layers in
+// order, so a ring of two (and even of one) never overwrites a slot in use.
+#[test]
+fn every_compiled_schedule_admits_the_ring() {
+    let mut checked = Vec::new();
+    for k in thin_generated::KNOWN_ARCHS {
+        let Some(Ok(arch)) = thin_generated::cuda_arch(k.fingerprint) else { continue };
+        let n = arch.dims.num_layers as u32;
+        for streamed in [(0..n).collect::<Vec<u32>>(), (n / 2..n).collect(), vec![n - 1]] {
+            for slots in [1, 2] {
+                thin::check_ring_order(&arch, &streamed, slots).unwrap_or_else(|e| panic!("{}: {streamed:?} through {slots}: {e}", k.name));
+            }
+        }
+        let decode: Vec<Vec<_>> = arch.schedule.decode.iter().map(|l| l.weights().collect()).collect();
+        let uses = thin_core::cuda::plan::ring_uses(&decode, &(0..n).collect::<Vec<_>>(), 2).expect("uses");
+        assert!(uses.windows(2).all(|w| w[0].last < w[1].first), "{}: layers read one after another", k.name);
+        assert!(arch.schedule.epilogue.iter().flat_map(|l| l.weights()).all(|(r, l)| l.is_none() || r.is_norm()), "{}: the epilogue reads no layer's matrices", k.name);
+        checked.push(k.name);
+    }
+    assert!(checked.contains(&"gemma3-tiny") && checked.contains(&"smollm2-135m"), "{checked:?}");
 }

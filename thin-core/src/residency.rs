@@ -35,6 +35,11 @@ pub const MODULE_AND_GRAPH_BYTES: u64 = 48 << 20;
 /// host link than to compute (SmolLM3-3B: 156 MB, about 3 ms at 50 GB/s, against tens of µs from
 /// HBM), so with two the link is never idle and a third slot would only cost a layer's memory.
 pub const RING_SLOTS: usize = 2;
+/// Free device memory `auto` leaves unused when no `--gpu-mem` is given: the driver's figure moves
+/// with other processes and the allocator's rounding, so a plan that fills it exactly is fragile.
+/// 1 GiB, the margin llama.cpp's `--fit` leaves by default. `all` and `stream` take the free
+/// memory as it is; a given `--gpu-mem` is honoured exactly by every mode (within the free memory).
+pub const AUTO_FREE_MARGIN: u64 = 1 << 30;
 /// Host-to-device bandwidth when none was measured: PCIe Gen5 x16 carries 63 GB/s a direction
 /// after 128b/130b coding; 80% of that, 50 GB/s, is assumed reachable for pinned copies. Assumed.
 pub const ASSUMED_LINK_GB_S: f64 = 50.0;
@@ -43,13 +48,28 @@ pub const ASSUMED_LINK_GB_S: f64 = 50.0;
 pub enum ResidencyError {
     #[error("weight {role:?} {layer:?} is read by the CUDA schedule but absent from the archive")]
     MissingWeight { role: Role, layer: Option<u32> },
-    #[error("{}", does_not_fit(.plan, *.min_gpu_mem))]
-    DoesNotFit { plan: Box<ResidencyPlan>, min_gpu_mem: u64 },
-    #[error("{}", streaming_not_built(.plan))]
-    StreamingNotBuilt { plan: Box<ResidencyPlan> },
+    /// Refused before anything is allocated: even the plan that needs least under `residency`
+    /// (every layer streamed but those a ring would cost as much as; `all`: every weight resident)
+    /// exceeds the budget. `min_gpu_mem` is the smallest `--gpu-mem` that runs in that mode.
+    #[error("{}", does_not_fit(.plan, *.min_gpu_mem, *.residency))]
+    DoesNotFit { plan: Box<ResidencyPlan>, min_gpu_mem: u64, residency: Residency },
 }
 
-fn does_not_fit(plan: &ResidencyPlan, min_gpu_mem: u64) -> String {
+fn does_not_fit(plan: &ResidencyPlan, min_gpu_mem: u64, residency: Residency) -> String {
+    if residency == Residency::All {
+        return format!(
+            "--residency all: every weight must be on the device, {} at ctx {} (weights {}, KV cache {}, activations {}, cuBLAS workspace + module/graph {}); {}. The smallest that runs this way: --gpu-mem {}; --residency auto or stream runs from --gpu-mem {} by streaming layers from host memory",
+            show(plan.all_resident_bytes),
+            plan.ctx,
+            show(plan.weight_bytes),
+            show(plan.kv_bytes),
+            show(plan.activation_bytes),
+            show(plan.cublas_workspace_bytes + plan.module_and_graph_bytes),
+            plan.budget.describe(residency),
+            show_gpu_mem(min_gpu_mem),
+            show_gpu_mem(plan.min_stream_bytes)
+        );
+    }
     format!(
         "the model cannot run on this GPU even streaming: it needs at least {} on the device, {} ({} always resident, {}KV cache {} at ctx {}, activations {}, cuBLAS workspace + module/graph {}); {}. The smallest that runs: --gpu-mem {} (or a smaller --ctx)",
         show(plan.min_stream_bytes),
@@ -64,25 +84,8 @@ fn does_not_fit(plan: &ResidencyPlan, min_gpu_mem: u64) -> String {
         plan.ctx,
         show(plan.activation_bytes),
         show(plan.cublas_workspace_bytes + plan.module_and_graph_bytes),
-        plan.budget.describe(),
+        plan.budget.describe(residency),
         show_gpu_mem(min_gpu_mem)
-    )
-}
-
-fn streaming_not_built(plan: &ResidencyPlan) -> String {
-    format!(
-        "the model does not fit this GPU with every weight resident: it needs {} at ctx {}; {}. The plan would keep {} of {} layers resident and stream {} ({} a token, at most {:.1} tok/s over a {:.0} GB/s host link, {}), but this runtime only runs with every weight resident: weight streaming (issue 28) is not built yet. Give it --gpu-mem {} or more, a smaller --ctx, or use --backend cpu",
-        show(plan.all_resident_bytes),
-        plan.ctx,
-        plan.budget.describe(),
-        plan.resident_layers.len(),
-        plan.layer_bytes.len(),
-        plan.streamed_layers.len(),
-        show(plan.streamed_bytes_per_token),
-        plan.bound_tok_s.unwrap_or(0.0),
-        plan.link.gb_s,
-        plan.link.source.label(),
-        show_gpu_mem(plan.all_resident_bytes)
     )
 }
 
@@ -182,14 +185,58 @@ impl Budget {
         }
     }
 
-    /// `--gpu-mem 2.00 GiB, 76.3 GiB free`, or that the budget is unknown.
-    pub fn describe(&self) -> String {
+    /// What a plan under `residency` may take: [`Budget::bytes`], except that `auto` without a
+    /// `--gpu-mem` leaves [`AUTO_FREE_MARGIN`] of the free memory unused.
+    pub fn bytes_for(&self, residency: Residency) -> Option<u64> {
+        match (residency, self.gpu_mem, self.free) {
+            (Residency::Auto, None, Some(f)) => Some(f.saturating_sub(AUTO_FREE_MARGIN)),
+            _ => self.bytes(),
+        }
+    }
+
+    /// `the budget is --gpu-mem 2.00 GiB (76.3 GiB free on the device)`, or that it is unknown.
+    pub fn describe(&self, residency: Residency) -> String {
         match (self.gpu_mem, self.free) {
             (Some(l), Some(f)) => format!("the budget is --gpu-mem {} ({} free on the device)", show(l), show(f)),
             (Some(l), None) => format!("the budget is --gpu-mem {}", show(l)),
+            (None, Some(f)) if residency == Residency::Auto => {
+                format!("the budget is the {} free on the device less auto's margin of {}", show(f), show(AUTO_FREE_MARGIN))
+            }
             (None, Some(f)) => format!("the budget is the {} free on the device", show(f)),
             (None, None) => "the device budget is unknown (no GPU answered and no --gpu-mem)".into(),
         }
+    }
+}
+
+/// `--residency`: where the weights may live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Residency {
+    /// Every weight on the device, or refused.
+    All,
+    /// The first layers that fit the budget resident, the rest streamed (none when all fit).
+    Stream,
+    /// `all` when every weight fits with [`AUTO_FREE_MARGIN`] to spare, else as `stream`.
+    #[default]
+    Auto,
+}
+
+impl Residency {
+    pub const ALL: [Residency; 3] = [Residency::All, Residency::Stream, Residency::Auto];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Residency::All => "all",
+            Residency::Stream => "stream",
+            Residency::Auto => "auto",
+        }
+    }
+}
+
+impl std::str::FromStr for Residency {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Residency, String> {
+        Residency::ALL.into_iter().find(|r| r.name() == s).ok_or_else(|| format!("{s:?} is not a residency: all, stream or auto"))
     }
 }
 
@@ -254,12 +301,73 @@ pub struct TensorPlacement {
     pub placement: Placement,
 }
 
+/// One matrix of a streamed layer: where it sits in its layer's ring slot (and at the same offset
+/// in the layer's pinned host copy), and the archive pages it is read from once at load.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SlotTensor {
+    pub role: Role,
+    /// Offset in the slot (and from the layer's `host_offset`), aligned to [`ALIGN`].
+    pub offset: u64,
+    /// Its device bytes, aligned to [`ALIGN`] ([`WeightSpan::bytes`]).
+    pub bytes: u64,
+    pub first_page: u32,
+    pub page_count: u32,
+}
+
+/// A streamed layer's matrices: one contiguous copy a token from pinned host memory into its slot.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StreamedLayer {
+    pub layer: u32,
+    /// The ring slot it is staged through: its index among the streamed layers modulo the slots
+    /// (so the copy of the next layer for a slot waits for the last use of the one before).
+    pub slot: usize,
+    /// Where its copy starts in the pinned host buffer (the streamed layers back to back).
+    pub host_offset: u64,
+    /// Bytes of the copy: its matrices back to back.
+    pub bytes: u64,
+    pub tensors: Vec<SlotTensor>,
+}
+
+/// The streamed layers' places in a ring of `slots` buffers (fewer if fewer layers stream), in
+/// the order given (the order the step uses them), with the largest layer's bytes per slot: each
+/// layer's matrices back to back, each taking its [`WeightSpan::bytes`] (aligned to [`ALIGN`] by
+/// whoever made the span, so every offset is). The one layout the planner counts and the runtime
+/// allocates and copies by.
+pub fn ring_layout(weights: &[WeightSpan], streamed: &[u32], slots: usize) -> (usize, u64, Vec<StreamedLayer>) {
+    let slots = slots.min(streamed.len());
+    let mut host = 0;
+    let layers: Vec<StreamedLayer> = streamed
+        .iter()
+        .enumerate()
+        .map(|(i, &layer)| {
+            let mut offset = 0;
+            let tensors = weights
+                .iter()
+                .filter(|w| w.layer == Some(layer) && !w.always_resident())
+                .map(|w| {
+                    let t = SlotTensor { role: w.role, offset, bytes: w.bytes, first_page: w.first_page, page_count: w.page_count };
+                    offset += w.bytes;
+                    t
+                })
+                .collect();
+            let l = StreamedLayer { layer, slot: i % slots.max(1), host_offset: host, bytes: offset, tensors };
+            host += offset;
+            l
+        })
+        .collect();
+    (slots, layers.iter().map(|l| l.bytes).max().unwrap_or(0), layers)
+}
+
 /// The decision and every number it was made from.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ResidencyPlan {
     pub decision: Decision,
+    /// The `--residency` it was made under.
+    pub residency: Residency,
     pub ctx: usize,
     pub budget: Budget,
+    /// What the plan may take under `residency` ([`Budget::bytes_for`]); `None`: unknown.
+    pub budget_bytes: Option<u64>,
     pub link: Link,
     /// Every weight the schedule reads, on the device.
     pub weight_bytes: u64,
@@ -282,6 +390,12 @@ pub struct ResidencyPlan {
     pub device_bytes: u64,
     /// Bytes over the host link per decoded token: every streamed layer once.
     pub streamed_bytes_per_token: u64,
+    /// Archive pages whose bytes cross the host link each token (a page of a streamed matrix).
+    pub streamed_pages_per_token: u64,
+    /// Page-locked host memory holding the streamed layers (copied once from the archive at load).
+    pub pinned_host_bytes: u64,
+    /// Every streamed layer in ring order: its slot, host offset and matrices with their pages.
+    pub ring: Vec<StreamedLayer>,
     /// `link.gb_s / streamed_bytes_per_token`; `None` when nothing streams.
     pub bound_tok_s: Option<f64>,
     /// The smallest budget that runs every weight resident.
@@ -292,9 +406,9 @@ pub struct ResidencyPlan {
     pub tensors: Vec<TensorPlacement>,
 }
 
-/// Decide the placement of `d`'s weights within `budget`, the tok/s bound over `link`.
-/// Below the smallest streaming need: [`ResidencyError::DoesNotFit`] with that plan.
-pub fn plan(d: &Demand, budget: Budget, link: Link) -> Result<ResidencyPlan, ResidencyError> {
+/// Decide the placement of `d`'s weights within `budget` under `residency`, the tok/s bound over
+/// `link`. Below the smallest need of that mode: [`ResidencyError::DoesNotFit`] with that plan.
+pub fn plan(d: &Demand, budget: Budget, link: Link, residency: Residency) -> Result<ResidencyPlan, ResidencyError> {
     let fixed = d.fixed_bytes();
     let layers = d.layer_bytes();
     let ids: Vec<u32> = layers.keys().copied().collect();
@@ -306,7 +420,8 @@ pub fn plan(d: &Demand, budget: Budget, link: Link) -> Result<ResidencyPlan, Res
             return (fixed + total, 0);
         }
         let slot = sizes[k..].iter().copied().max().unwrap_or(0);
-        (fixed + sizes[..k].iter().sum::<u64>() + RING_SLOTS as u64 * slot, slot)
+        let slots = RING_SLOTS.min(sizes.len() - k) as u64;
+        (fixed + sizes[..k].iter().sum::<u64>() + slots * slot, slot)
     };
     let all_resident = need(sizes.len()).0;
     // The plan that needs least: the most resident layers among equals (with layers of one size
@@ -329,10 +444,14 @@ pub fn plan(d: &Demand, budget: Budget, link: Link) -> Result<ResidencyPlan, Res
                 TensorPlacement { weight: w.clone(), placement: if streams { Placement::Streamed } else { Placement::Resident } }
             })
             .collect();
+        let (ring_slots, ring_slot_bytes, ring) = ring_layout(&d.weights, &streamed, RING_SLOTS);
+        debug_assert_eq!((ring_slot_bytes, ring.iter().map(|l| l.bytes).sum::<u64>()), (slot, streamed_bytes));
         ResidencyPlan {
             decision,
+            residency,
             ctx: d.ctx,
             budget,
+            budget_bytes: budget.bytes_for(residency),
             link,
             weight_bytes: d.weights.iter().map(|w| w.bytes).sum(),
             role_bytes,
@@ -343,22 +462,28 @@ pub fn plan(d: &Demand, budget: Budget, link: Link) -> Result<ResidencyPlan, Res
             cublas_workspace_bytes: d.cublas_workspace_bytes,
             module_and_graph_bytes: d.module_and_graph_bytes,
             resident_layers: ids[..k].to_vec(),
-            ring_slots: if streamed.is_empty() { 0 } else { RING_SLOTS },
+            ring_slots,
             streamed_layers: streamed,
-            ring_slot_bytes: slot,
+            ring_slot_bytes,
             device_bytes: device,
             streamed_bytes_per_token: streamed_bytes,
+            streamed_pages_per_token: ring.iter().flat_map(|l| &l.tensors).map(|t| t.page_count as u64).sum(),
+            pinned_host_bytes: streamed_bytes,
+            ring,
             bound_tok_s: (streamed_bytes > 0).then(|| link.gb_s * 1e9 / streamed_bytes as f64),
             all_resident_bytes: all_resident,
             min_stream_bytes: min_stream,
             tensors,
         }
     };
-    let Some(avail) = budget.bytes() else {
+    let Some(avail) = budget.bytes_for(residency) else {
         return Ok(build(Decision::BudgetUnknown, sizes.len()));
     };
     if all_resident <= avail {
         return Ok(build(Decision::AllResident, sizes.len()));
+    }
+    if residency == Residency::All {
+        return Err(ResidencyError::DoesNotFit { plan: Box::new(build(Decision::AllResident, sizes.len())), min_gpu_mem: all_resident, residency });
     }
     // The most resident layers whose plan fits (need(k) grows with k for equal layers; every k
     // is tried, so layers of unequal size are handled too).
@@ -366,21 +491,12 @@ pub fn plan(d: &Demand, budget: Budget, link: Link) -> Result<ResidencyPlan, Res
         Some(k) => Ok(build(Decision::Stream, k)),
         None => {
             let plan = build(if min_k == sizes.len() { Decision::AllResident } else { Decision::Stream }, min_k);
-            Err(ResidencyError::DoesNotFit { plan: Box::new(plan), min_gpu_mem: min_stream })
+            Err(ResidencyError::DoesNotFit { plan: Box::new(plan), min_gpu_mem: min_stream, residency })
         }
     }
 }
 
 impl ResidencyPlan {
-    /// This plan when every weight is resident; the plan in an error otherwise (the runtime
-    /// runs only that way today).
-    pub fn require_all_resident(self) -> Result<ResidencyPlan, ResidencyError> {
-        match self.decision {
-            Decision::AllResident | Decision::BudgetUnknown => Ok(self),
-            Decision::Stream => Err(ResidencyError::StreamingNotBuilt { plan: Box::new(self) }),
-        }
-    }
-
     /// `plan: all resident, 6.16 GiB of 76.3 GiB free (weights 5.73 GiB, KV 288.0 MiB at ctx 4096, ...)`.
     pub fn one_line(&self) -> String {
         let what = match self.decision {
@@ -399,7 +515,7 @@ impl ResidencyPlan {
                 self.link.source.label()
             ),
         };
-        let of = self.budget.bytes().map_or_else(String::new, |b| format!(" of {}", show(b)));
+        let of = self.budget_bytes.map_or_else(String::new, |b| format!(" of {}", show(b)));
         format!(
             "plan: {what}; {}{of} on the device (weights {}, KV {} at ctx {}, activations {}, workspace+graph {})",
             show(self.device_bytes),
@@ -447,16 +563,18 @@ impl ResidencyPlan {
         row(&mut s, "cuBLAS workspace", self.cublas_workspace_bytes, "cuBLAS's default on Hopper");
         row(&mut s, "module + graph", self.module_and_graph_bytes, "allowance, calibrated on H100/H200");
         row(&mut s, "total", self.device_bytes, "");
-        let _ = writeln!(s, "budget: {}", self.budget.describe());
+        let _ = writeln!(s, "budget: {}", self.budget.describe(self.residency));
         let decision = match self.decision {
             Decision::AllResident => "all resident".to_string(),
             Decision::BudgetUnknown => "all resident shown; whether it fits is unknown".to_string(),
             Decision::Stream => format!(
-                "stream {} of {} layers (pages of layers {}) through a ring of {}",
+                "stream {} of {} layers ({} pages of layers {}) through a ring of {}, from {} of pinned host memory",
                 self.streamed_layers.len(),
                 self.layer_bytes.len(),
+                self.streamed_pages_per_token,
                 ranges(&self.streamed_layers),
-                self.ring_slots
+                self.ring_slots,
+                show(self.pinned_host_bytes)
             ),
         };
         let _ = writeln!(s, "decision: {decision}");
@@ -472,9 +590,6 @@ impl ResidencyPlan {
         }
         let _ = writeln!(s, "smallest --gpu-mem, all resident: {}", show_gpu_mem(self.all_resident_bytes));
         let _ = writeln!(s, "smallest --gpu-mem that runs at all (streaming): {}", show_gpu_mem(self.min_stream_bytes));
-        if self.decision == Decision::Stream {
-            let _ = writeln!(s, "note: this runtime runs every weight resident only; weight streaming (issue 28) is not built yet");
-        }
         s
     }
 }
@@ -625,7 +740,7 @@ mod tests {
     fn smollm3_3b_streams_at_2_and_4_gib() {
         let d = smollm3_3b(4096);
         for (gib, resident, per_token, tok_s) in [(2, 5usize, 4_843_372_544u64, 10.3234), (4, 19, 2_656_043_008, 18.8250)] {
-            let p = plan(&d, Budget { gpu_mem: Some(gib * GIB), free: Some(80 * GIB) }, Link::default()).unwrap();
+            let p = plan(&d, Budget { gpu_mem: Some(gib * GIB), free: Some(80 * GIB) }, Link::default(), Residency::Stream).unwrap();
             assert_eq!(p.decision, Decision::Stream, "{gib} GiB");
             assert_eq!(p.resident_layers, (0..resident as u32).collect::<Vec<_>>());
             assert_eq!(p.streamed_layers, (resident as u32..36).collect::<Vec<_>>());
@@ -650,19 +765,16 @@ mod tests {
     #[test]
     fn smollm3_3b_all_resident_and_budget_unknown() {
         let d = smollm3_3b(4096);
-        let p = plan(&d, Budget { gpu_mem: None, free: Some(6_619_131_392) }, Link::default()).unwrap();
+        let p = plan(&d, Budget { gpu_mem: None, free: Some(6_619_131_392) }, Link::default(), Residency::Stream).unwrap();
         assert_eq!((p.decision, p.streamed_layers.len(), p.ring_slots, p.bound_tok_s), (Decision::AllResident, 0, 0, None));
         assert_eq!(p.weight_bytes, 6_150_496_256, "the weight_bytes the H100 run reported for SmolLM3-3B bf16");
         assert_eq!(p.device_bytes, 6_619_131_392);
         // One byte less: streaming, 33 layers resident and a ring of two (994569728 + 35·156237824
         // = 6462893568 fits; 36 layers' worth does not).
-        let p = plan(&d, Budget { gpu_mem: None, free: Some(6_619_131_391) }, Link::default()).unwrap();
-        assert_eq!((p.decision, p.resident_layers.len()), (Decision::Stream, 33));
-        let e = p.require_all_resident().unwrap_err();
-        assert!(matches!(&e, ResidencyError::StreamingNotBuilt { plan } if plan.streamed_layers.len() == 3), "{e}");
-        let msg = e.to_string();
-        assert!(msg.contains("not built yet") && msg.contains("--gpu-mem 6313MiB"), "{msg}");
-        let p = plan(&d, Budget::default(), Link::default()).unwrap();
+        let p = plan(&d, Budget { gpu_mem: None, free: Some(6_619_131_391) }, Link::default(), Residency::Stream).unwrap();
+        assert_eq!((p.decision, p.resident_layers.len(), &p.streamed_layers[..]), (Decision::Stream, 33, &[33, 34, 35][..]));
+        assert!(p.table().contains("smallest --gpu-mem, all resident: 6313MiB"), "{}", p.table());
+        let p = plan(&d, Budget::default(), Link::default(), Residency::Stream).unwrap();
         assert_eq!((p.decision, p.device_bytes, p.min_stream_bytes), (Decision::BudgetUnknown, 6_619_131_392, 1_307_045_376));
         assert!(p.table().contains("budget is unknown") && p.table().contains("1247MiB"), "{}", p.table());
     }
@@ -670,22 +782,22 @@ mod tests {
     #[test]
     fn below_the_smallest_streaming_plan_is_refused_with_it() {
         let d = smollm3_3b(4096);
-        let e = plan(&d, Budget { gpu_mem: Some(1_307_045_375), free: None }, Link::default()).unwrap_err();
-        let ResidencyError::DoesNotFit { plan: p, min_gpu_mem } = &e else { panic!("{e}") };
+        let e = plan(&d, Budget { gpu_mem: Some(1_307_045_375), free: None }, Link::default(), Residency::Stream).unwrap_err();
+        let ResidencyError::DoesNotFit { plan: p, min_gpu_mem, residency: Residency::Stream } = &e else { panic!("{e}") };
         assert_eq!(*min_gpu_mem, 1_307_045_376);
         assert_eq!((p.resident_layers.len(), p.streamed_layers.len(), p.device_bytes), (0, 36, 1_307_045_376));
         assert!(e.to_string().contains("--gpu-mem 1247MiB"), "{e}");
         // Exactly enough: every layer streamed.
-        let p = plan(&d, Budget { gpu_mem: Some(1_307_045_376), free: None }, Link::default()).unwrap();
+        let p = plan(&d, Budget { gpu_mem: Some(1_307_045_376), free: None }, Link::default(), Residency::Stream).unwrap();
         assert_eq!((p.resident_layers.len(), p.streamed_bytes_per_token), (0, 36 * LAYER));
         // A longer context takes KV from the layers: ctx 65536 adds 15·301989888 = 4529848320.
-        let p = plan(&smollm3_3b(65536), Budget { gpu_mem: Some(4 * GIB), free: None }, Link::default());
+        let p = plan(&smollm3_3b(65536), Budget { gpu_mem: Some(4 * GIB), free: None }, Link::default(), Residency::Stream);
         assert!(matches!(p, Err(ResidencyError::DoesNotFit { min_gpu_mem: 5_836_893_696, .. })), "{p:?}");
     }
 
     #[test]
     fn a_given_link_sets_the_bound() {
-        let p = plan(&smollm3_3b(4096), Budget { gpu_mem: Some(4 * GIB), free: None }, Link { gb_s: 25.0, source: LinkSource::Given }).unwrap();
+        let p = plan(&smollm3_3b(4096), Budget { gpu_mem: Some(4 * GIB), free: None }, Link { gb_s: 25.0, source: LinkSource::Given }, Residency::Stream).unwrap();
         assert!((p.bound_tok_s.unwrap() - 25e9 / 2_656_043_008.0).abs() < 1e-9);
         assert!(p.one_line().contains("19 of 36 layers resident, 17 streamed"), "{}", p.one_line());
         assert!(p.one_line().contains("25 GB/s, given"), "{}", p.one_line());
@@ -697,10 +809,10 @@ mod tests {
         let w = |l, bytes| WeightSpan { role: Role::FfnDown, layer: Some(l), bytes, first_page: l, page_count: 1 };
         let d = Demand { ctx: 1, weights: vec![w(0, 100), w(1, 100), w(2, 200), w(3, 100)], kv_bytes: 0, activation_bytes: 0, cublas_workspace_bytes: 0, module_and_graph_bytes: 0 };
         // need(k): k=0: 400, 1: 100+400=500, 2: 200+400=600, 3: 400+200=600, 4: 500.
-        let p = plan(&d, Budget { gpu_mem: Some(450), free: None }, Link::default()).unwrap();
+        let p = plan(&d, Budget { gpu_mem: Some(450), free: None }, Link::default(), Residency::Stream).unwrap();
         assert_eq!((p.resident_layers.len(), p.ring_slot_bytes, p.device_bytes), (0, 200, 400));
-        assert_eq!(plan(&d, Budget { gpu_mem: Some(500), free: None }, Link::default()).unwrap().decision, Decision::AllResident);
-        assert!(matches!(plan(&d, Budget { gpu_mem: Some(399), free: None }, Link::default()), Err(ResidencyError::DoesNotFit { min_gpu_mem: 400, .. })));
+        assert_eq!(plan(&d, Budget { gpu_mem: Some(500), free: None }, Link::default(), Residency::Stream).unwrap().decision, Decision::AllResident);
+        assert!(matches!(plan(&d, Budget { gpu_mem: Some(399), free: None }, Link::default(), Residency::Stream), Err(ResidencyError::DoesNotFit { min_gpu_mem: 400, .. })));
     }
 
     #[test]
@@ -709,10 +821,94 @@ mod tests {
         // them resident, and below it the refusal carries that plan.
         let w = |l| WeightSpan { role: Role::AttnQ, layer: Some(l), bytes: 100, first_page: l, page_count: 1 };
         let d = Demand { ctx: 1, weights: vec![w(0), w(1)], kv_bytes: 10, activation_bytes: 0, cublas_workspace_bytes: 0, module_and_graph_bytes: 0 };
-        let e = plan(&d, Budget { gpu_mem: Some(209), free: None }, Link::default()).unwrap_err();
-        let ResidencyError::DoesNotFit { plan: p, min_gpu_mem: 210 } = &e else { panic!("{e}") };
+        let e = plan(&d, Budget { gpu_mem: Some(209), free: None }, Link::default(), Residency::Stream).unwrap_err();
+        let ResidencyError::DoesNotFit { plan: p, min_gpu_mem: 210, .. } = &e else { panic!("{e}") };
         assert_eq!((p.decision, p.streamed_layers.len(), p.ring_slots), (Decision::AllResident, 0, 0));
         assert!(e.to_string().contains("every weight resident (streaming would take no less)"), "{e}");
+    }
+
+    #[test]
+    fn the_ring_places_every_streamed_matrix_with_its_pages() {
+        let d = smollm3_3b(4096);
+        let p = plan(&d, Budget { gpu_mem: Some(2 * GIB), free: None }, Link::default(), Residency::Stream).unwrap();
+        assert_eq!(p.ring.len(), 31);
+        // Ring order is use order (layers ascending); slots alternate; host copies back to back.
+        let mut host = 0;
+        for (i, l) in p.ring.iter().enumerate() {
+            assert_eq!((l.layer, l.slot, l.host_offset, l.bytes), (5 + i as u32, i % 2, host, LAYER));
+            host += l.bytes;
+            let roles: Vec<Role> = l.tensors.iter().map(|t| t.role).collect();
+            assert_eq!(roles, [Role::AttnQ, Role::AttnK, Role::AttnV, Role::AttnO, Role::FfnGate, Role::FfnUp, Role::FfnDown], "norms stay resident");
+            let mut off = 0;
+            for t in &l.tensors {
+                assert_eq!((t.offset, t.offset % ALIGN as u64), (off, 0));
+                off += t.bytes;
+                // The archive pages of the tensor, as the demand listed them.
+                let w = d.weights.iter().find(|w| w.role == t.role && w.layer == Some(l.layer)).unwrap();
+                assert_eq!((t.first_page, t.page_count, t.bytes), (w.first_page, w.page_count, w.bytes));
+            }
+            assert_eq!(off, l.bytes);
+        }
+        assert_eq!((p.pinned_host_bytes, host), (p.streamed_bytes_per_token, p.streamed_bytes_per_token));
+        // Every matrix here is under one 64 MiB page: 7 pages a streamed layer.
+        assert_eq!(p.streamed_pages_per_token, 31 * 7);
+        assert!(p.table().contains("217 pages of layers 5-35"), "{}", p.table());
+        // Nothing streams: no ring, no pinned memory.
+        let p = plan(&d, Budget { gpu_mem: Some(8 * GIB), free: None }, Link::default(), Residency::Stream).unwrap();
+        assert_eq!((p.ring.len(), p.pinned_host_bytes, p.streamed_pages_per_token, p.ring_slots), (0, 0, 0, 0));
+    }
+
+    #[test]
+    fn ring_layout_with_fewer_layers_than_slots_and_unequal_layers() {
+        let w = |l, role, bytes, page| WeightSpan { role, layer: Some(l), bytes, first_page: page, page_count: 2 };
+        let weights = [w(0, Role::AttnQ, 256, 0), w(0, Role::AttnNorm, 256, 2), w(1, Role::AttnQ, 512, 3), w(1, Role::FfnDown, 256, 5), w(2, Role::AttnQ, 256, 7)];
+        let (slots, slot, ring) = ring_layout(&weights, &[1], RING_SLOTS);
+        assert_eq!((slots, slot, ring.len(), ring[0].slot, ring[0].bytes), (1, 768, 1, 0, 768));
+        assert_eq!(ring[0].tensors[1].offset, 512);
+        let (slots, slot, ring) = ring_layout(&weights, &[0, 1, 2], RING_SLOTS);
+        assert_eq!((slots, slot), (2, 768), "the largest streamed layer sizes every slot");
+        assert_eq!(ring.iter().map(|l| (l.slot, l.host_offset, l.bytes)).collect::<Vec<_>>(), [(0, 0, 256), (1, 256, 768), (0, 1024, 256)]);
+        assert_eq!(ring_layout(&weights, &[], RING_SLOTS), (0, 0, vec![]));
+    }
+
+    #[test]
+    fn residency_modes() {
+        let d = smollm3_3b(4096);
+        let (all, min) = (6_619_131_392u64, 1_307_045_376u64);
+        let at = |gpu_mem, free, r| plan(&d, Budget { gpu_mem, free }, Link::default(), r);
+        // all: every weight or refused, naming the all-resident limit and the streaming one.
+        assert_eq!(at(Some(all), None, Residency::All).unwrap().decision, Decision::AllResident);
+        let e = at(Some(4 * GIB), Some(80 * GIB), Residency::All).unwrap_err();
+        let ResidencyError::DoesNotFit { plan: p, min_gpu_mem, residency: Residency::All } = &e else { panic!("{e}") };
+        assert_eq!((*min_gpu_mem, p.decision, p.device_bytes), (all, Decision::AllResident, all));
+        let msg = e.to_string();
+        assert!(msg.contains("--gpu-mem 6313MiB") && msg.contains("from --gpu-mem 1247MiB"), "{msg}");
+        // stream and auto honour a given --gpu-mem exactly.
+        for r in [Residency::Stream, Residency::Auto] {
+            let p = at(Some(4 * GIB), Some(80 * GIB), r).unwrap();
+            assert_eq!((p.decision, p.resident_layers.len(), p.residency, p.budget_bytes), (Decision::Stream, 19, r, Some(4 * GIB)));
+            assert_eq!(at(Some(all), Some(80 * GIB), r).unwrap().decision, Decision::AllResident);
+            let e = at(Some(min - 1), Some(80 * GIB), r).unwrap_err();
+            assert!(matches!(e, ResidencyError::DoesNotFit { min_gpu_mem, residency, .. } if min_gpu_mem == min && residency == r));
+        }
+        // Free memory alone: stream takes all of it, auto leaves its margin.
+        let p = at(None, Some(all), Residency::Stream).unwrap();
+        assert_eq!(p.decision, Decision::AllResident);
+        let p = at(None, Some(all), Residency::Auto).unwrap();
+        assert_eq!((p.decision, p.budget_bytes), (Decision::Stream, Some(all - AUTO_FREE_MARGIN)));
+        // (6619131392 - 2^30 - 994569728) / 156237824 = 29.1 layers' worth: 27 resident and the ring's two.
+        assert_eq!(p.resident_layers.len(), 27);
+        assert!(p.one_line().contains("27 of 36 layers resident"), "{}", p.one_line());
+        assert!(p.budget.describe(Residency::Auto).contains("less auto's margin of 1.00 GiB"));
+        assert_eq!(at(None, Some(all + AUTO_FREE_MARGIN), Residency::Auto).unwrap().decision, Decision::AllResident);
+        // A device with less free than the margin: nothing left, refused with the plan.
+        assert!(matches!(at(None, Some(GIB / 2), Residency::Auto), Err(ResidencyError::DoesNotFit { min_gpu_mem, .. }) if min_gpu_mem == min));
+        for r in Residency::ALL {
+            assert_eq!(r.name().parse::<Residency>(), Ok(r));
+        }
+        for bad in ["", "ALL", "resident", "auto ", "none"] {
+            assert!(bad.parse::<Residency>().is_err(), "{bad:?}");
+        }
     }
 
     #[test]
@@ -741,11 +937,14 @@ mod tests {
         ] {
             assert_eq!(parse_size(s), Ok(v), "{s}");
         }
-        for s in ["", " ", "GiB", "-1G", "-0", "1.2.3G", ".", "NaN", "inf", "+4G", "4 G B"] {
+        for s in ["", " ", "GiB", "-1G", "-0", "-3", "1.2.3G", ".", "NaN", "inf", "+4G", "4 G B", "0x10G"] {
             assert!(parse_size(s).is_err(), "{s}");
         }
         assert!(matches!(parse_size("4Q"), Err(SizeError::Unit { unit, .. }) if unit == "Q"));
         assert!(matches!(parse_size("1e9"), Err(SizeError::Unit { .. })));
+        assert!(matches!(parse_size("1e400GiB"), Err(SizeError::Unit { unit, .. }) if unit == "e400GiB"), "no exponents: never an f64 infinity");
+        assert!(matches!(parse_size("4XB"), Err(SizeError::Unit { .. })));
+        assert!(matches!(parse_size("4GiBs"), Err(SizeError::Unit { .. })));
         assert!(matches!(parse_size("17179869184G"), Err(SizeError::Overflow { .. })), "2^64 bytes");
         assert!(matches!(parse_size("99999999999999999999999999999999999999999"), Err(SizeError::Overflow { .. })));
         assert!(matches!(parse_size("18446744073709551616"), Err(SizeError::Overflow { .. })));

@@ -34,11 +34,15 @@ pub struct CudaOptions {
     /// Build the kernels with in-step timestamps (`thin bench --timeline`):
     /// a separately cached module, slower by the stamps' cost.
     pub timeline: bool,
+    /// Layers whose matrices stay in page-locked host memory and are staged through a ring of
+    /// device buffers each pass (the residency plan's `streamed_layers`, in step order); empty:
+    /// every weight resident.
+    pub streamed_layers: Vec<u32>,
 }
 
 impl CudaOptions {
     pub fn new(ctx: usize) -> CudaOptions {
-        CudaOptions { ctx, progress: false, timeline: false }
+        CudaOptions { ctx, progress: false, timeline: false, streamed_layers: Vec::new() }
     }
 }
 

@@ -198,6 +198,8 @@ pub enum PlanError {
     WeightType { role: Role, layer: Option<u32>, dtype: &'static str, supported: String },
     #[error("weight {role:?} {layer:?} is absent from the archive")]
     MissingWeight { role: Role, layer: Option<u32> },
+    #[error("streamed layer {layer} cannot go through a ring of {slots}: {why}")]
+    Ring { layer: u32, slots: usize, why: String },
 }
 
 /// A device buffer of the decode step.
@@ -524,6 +526,77 @@ impl Layout {
     }
 }
 
+impl Launch {
+    /// The weights it reads.
+    pub fn weights(&self) -> impl Iterator<Item = WeightRef> + '_ {
+        self.args.iter().filter_map(|a| match *a {
+            Arg::Weight(r, l) => Some((r, l)),
+            _ => None,
+        })
+    }
+}
+
+impl Step {
+    /// The weights it reads.
+    pub fn weights(&self) -> Vec<WeightRef> {
+        match self {
+            Step::Kernel(l) => l.weights().collect(),
+            Step::Gemm(g) => vec![g.weight],
+        }
+    }
+}
+
+/// When one streamed layer passes through the ring in a pass over a list of steps (the decode
+/// step's launches, or a prefill pass's steps).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct RingUse {
+    pub layer: u32,
+    /// Its index among the streamed layers modulo the slots.
+    pub slot: usize,
+    /// The first and last step that read its matrices: the first waits for its copy.
+    pub first: usize,
+    pub last: usize,
+    /// The step whose completion frees its slot: the last use of the layer `slots` before it in
+    /// the ring, which its copy waits for; `None` for the first `slots` layers, whose copies may
+    /// start with the pass.
+    pub after: Option<usize>,
+}
+
+/// How `streamed` (in ring order, a matrix of each in the slot `index % slots`) passes through a
+/// ring of `slots` buffers over `steps` (each step's weights): the copy of a layer can wait for
+/// the last use of the layer before it in its slot, and the first use of a layer can wait for its
+/// copy, only if every streamed layer is read, first read in ring order, and first read after the
+/// previous layer of its slot was last read. Norm weights and weights outside the layers never
+/// stream.
+pub fn ring_uses(steps: &[Vec<WeightRef>], streamed: &[u32], slots: usize) -> Result<Vec<RingUse>, PlanError> {
+    let err = |layer, why: String| PlanError::Ring { layer, slots, why };
+    if slots == 0 {
+        return match streamed.first() {
+            Some(&l) => Err(err(l, "no slots".into())),
+            None => Ok(Vec::new()),
+        };
+    }
+    let mut uses: Vec<RingUse> = Vec::with_capacity(streamed.len());
+    for (i, &layer) in streamed.iter().enumerate() {
+        let reads = |ws: &Vec<WeightRef>| ws.iter().any(|&(r, l)| l == Some(layer) && !r.is_norm());
+        let first = steps.iter().position(reads).ok_or_else(|| err(layer, "the pass never reads it".into()))?;
+        let last = steps.iter().rposition(reads).unwrap_or(first);
+        if let Some(prev) = uses.last() {
+            if first <= prev.first {
+                return Err(err(layer, format!("it is first read at step {first}, not after layer {} (step {}), the one before it in the ring", prev.layer, prev.first)));
+            }
+        }
+        let after = i.checked_sub(slots).map(|j| uses[j].last);
+        if let Some(a) = after {
+            if first <= a {
+                return Err(err(layer, format!("it is first read at step {first}, while layer {} still holds slot {} until step {a}", uses[i - slots].layer, i % slots)));
+            }
+        }
+        uses.push(RingUse { layer, slot: i % slots, first, last, after });
+    }
+    Ok(uses)
+}
+
 /// Every launch's matrices share one storage type (its instance's), and every prefill GEMM reads
 /// its input in its weight's type: the type of the launch that last wrote that buffer.
 fn check_launch_types(s: &Schedule, types: &BTreeMap<WeightRef, DType>) -> Result<(), PlanError> {
@@ -716,6 +789,49 @@ mod tests {
         assert_eq!(s.kernels(), ["embed", "attn_decode", "norm_lm_head", "argmax_step", "rows_embed", "rows_norm"]);
         assert_eq!(s.weights(), [(Role::TokenEmbd, None), (Role::AttnNorm, Some(0)), (Role::AttnQ, Some(0))]);
         assert!(s.buffers().contains(&Buf::PQkv), "a GEMM's output is a buffer of the schedule");
+    }
+
+    /// Steps reading the matrices of `layers` (and a norm of layer 9, which never streams).
+    fn steps(layers: &[&[u32]]) -> Vec<Vec<WeightRef>> {
+        layers.iter().map(|ls| ls.iter().map(|&l| (Role::AttnQ, Some(l))).chain([(Role::AttnNorm, Some(9)), (Role::TokenEmbd, None)]).collect()).collect()
+    }
+
+    #[test]
+    fn ring_uses_order_copies_and_waits() {
+        // Layers 0..4 in order, two steps each; layer 0 resident, 1..3 streamed through 2 slots.
+        let s = steps(&[&[], &[0], &[0], &[1], &[1], &[2], &[2], &[3], &[3], &[]]);
+        let u = ring_uses(&s, &[1, 2, 3], 2).unwrap();
+        assert_eq!(
+            u,
+            [
+                RingUse { layer: 1, slot: 0, first: 3, last: 4, after: None },
+                RingUse { layer: 2, slot: 1, first: 5, last: 6, after: None },
+                RingUse { layer: 3, slot: 0, first: 7, last: 8, after: Some(4) },
+            ]
+        );
+        // One slot: each copy waits for the previous layer's last read.
+        let u = ring_uses(&s, &[1, 2, 3], 1).unwrap();
+        assert_eq!(u.iter().map(|u| (u.slot, u.after)).collect::<Vec<_>>(), [(0, None), (0, Some(4)), (0, Some(6))]);
+        assert_eq!(ring_uses(&s, &[], 0).unwrap(), []);
+        assert!(matches!(ring_uses(&s, &[1], 0), Err(PlanError::Ring { layer: 1, .. })));
+    }
+
+    #[test]
+    fn ring_uses_refuse_what_would_overwrite_a_slot_in_use() {
+        // A step reading layers 1 and 2 together: fine with two slots, not with one.
+        let s = steps(&[&[1], &[1, 2], &[2], &[3]]);
+        assert!(ring_uses(&s, &[1, 2, 3], 2).is_ok());
+        let e = ring_uses(&s, &[1, 2, 3], 1).unwrap_err();
+        assert!(e.to_string().contains("layer 1 still holds slot 0 until step 1"), "{e}");
+        // Layer 1 read again after layer 3 started: slot 0 would be overwritten under it.
+        let s = steps(&[&[1], &[2], &[3], &[1]]);
+        assert!(ring_uses(&s, &[1, 2, 3], 2).unwrap_err().to_string().contains("layer 1 still holds slot 0 until step 3"));
+        // Ring order is use order; a streamed layer the pass never reads is refused.
+        let s = steps(&[&[2], &[1]]);
+        assert!(ring_uses(&s, &[1, 2], 2).unwrap_err().to_string().contains("not after layer 1"));
+        assert!(ring_uses(&steps(&[&[1], &[2]]), &[1, 2, 5], 2).unwrap_err().to_string().contains("never reads it"));
+        // Norms of a streamed layer do not count as reads.
+        assert!(ring_uses(&steps(&[&[1]]), &[9], 2).is_err());
     }
 
     fn l_launch(a: &CudaArch, kernel: &str) -> Launch {

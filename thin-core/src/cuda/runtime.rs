@@ -1,6 +1,13 @@
 //! The CUDA runtime: NVRTC compilation with an on-disk cubin cache, weight upload, and the decode
 //! step captured once into a CUDA graph and replayed per token.
 //!
+//! Weight streaming ([`CudaOptions::streamed_layers`]): the streamed layers' matrices are copied
+//! once, in their device layout, into one page-locked host buffer; every pass (the decode graph,
+//! each prefill chunk) copies each of them into its slot of a ring of device buffers on a second
+//! stream, ordered by events alone: a layer's copy waits for the last kernel that read the layer
+//! before it in the same slot, its first kernel waits for its copy ([`plan::ring_uses`]). The
+//! decode step stays one graph, the copies nodes of it; the host never waits on a layer.
+//!
 //! cudarc loads libcuda and NVRTC at run time, so this compiles on machines without either; at run
 //! time their absence is [`CudaError::NoDriver`] / [`CudaError::NoNvrtc`], never a panic.
 
@@ -15,7 +22,8 @@ use cudarc::cublas::{result as blas, sys as blassys};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtcsys};
 
 pub use super::CudaOptions;
-use super::plan::{self, Arg, Buf, CudaArch, Gemm, Launch, Layout, RopeTable, Step};
+use super::plan::{self, Arg, Buf, CudaArch, Gemm, Launch, Layout, RingUse, RopeTable, Step};
+use crate::residency::{ring_layout, StreamedLayer, WeightSpan, RING_SLOTS};
 use crate::dtype::DType;
 use crate::engine::EngineError;
 use crate::format::Archive;
@@ -74,6 +82,129 @@ impl Drop for DeviceBuffer {
     }
 }
 
+/// One page-locked host allocation (cuMemHostAlloc), freed on drop: the source of the streamed
+/// layers' copies, so they run as DMA without a staging copy and can be graph nodes.
+struct PinnedBuffer {
+    ptr: *mut u8,
+    bytes: usize,
+}
+
+impl PinnedBuffer {
+    fn new(bytes: usize) -> Result<Self, CudaError> {
+        let ptr = drv("allocating page-locked host memory for the streamed layers", unsafe { cu::malloc_host(bytes.max(1), 0) })? as *mut u8;
+        Ok(PinnedBuffer { ptr, bytes })
+    }
+
+    /// Write `data` at `offset` (in bounds: the ring layout placed it).
+    fn write(&mut self, offset: usize, data: &[u8]) -> Result<(), CudaError> {
+        if offset.checked_add(data.len()).is_none_or(|end| end > self.bytes) {
+            return Err(CudaError::Driver { what: "staging a streamed weight", err: format!("{} bytes at {offset} of {}", data.len(), self.bytes) });
+        }
+        // In bounds (checked above) of an allocation this buffer owns; `data` is host memory of its own.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(offset), data.len()) };
+        Ok(())
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        unsafe {
+            let _ = cu::free_host(self.ptr as *mut c_void);
+        }
+    }
+}
+
+/// The streamed layers: their pinned host copy, the ring of device slots they pass through, the
+/// copy stream and the events that order the copies against the compute stream.
+struct Ring {
+    copy: Arc<CudaStream>,
+    host: PinnedBuffer,
+    slots: Vec<DeviceBuffer>,
+    /// In ring order: slot, host offset, bytes, each matrix's offset.
+    layers: Vec<StreamedLayer>,
+    /// Where each streamed matrix is read from: (slot, offset in it, bytes).
+    places: BTreeMap<(Role, Option<u32>), (usize, usize, usize)>,
+    /// The decode step's and a prefill pass's use of the ring, by step.
+    decode: Vec<RingUse>,
+    prefill: Vec<RingUse>,
+    /// `start` (recorded on the compute stream, awaited by the copy stream), `joined` (the other
+    /// way, at the end of a pass), then per streamed layer `copied` and `done`.
+    start: cusys::CUevent,
+    joined: cusys::CUevent,
+    copied: Vec<cusys::CUevent>,
+    done: Vec<cusys::CUevent>,
+}
+
+impl Ring {
+    fn slot_bytes(&self) -> usize {
+        self.slots.iter().map(|s| s.bytes).sum()
+    }
+
+    /// Enqueue streamed layer `k`'s copy into its slot on the copy stream, and mark it copied.
+    fn copy_layer(&self, k: usize) -> Result<(), CudaError> {
+        let l = &self.layers[k];
+        let cs = self.copy.cu_stream();
+        // The pinned buffer lives as long as the ring, and so do the slots the graph copies into.
+        unsafe {
+            let src = self.host.ptr.add(l.host_offset as usize) as *const c_void;
+            drv("copying a streamed layer", cusys::cuMemcpyHtoDAsync_v2(self.slots[l.slot].ptr, src, l.bytes as usize, cs).result())?;
+            drv("recording a streamed layer's copy", cu::event::record(self.copied[k], cs))
+        }
+    }
+
+    /// Run a pass of `n` steps on `stream` (`step(i, waited)` enqueues step `i`; `waited`: the
+    /// stream has just been made to wait for a copy, so the step must not be a programmatic
+    /// dependent launch), the ring's copies on the copy stream around them as `uses` orders them.
+    /// Captured into a graph as well as run eagerly: nothing here waits on the host.
+    fn staged(&self, stream: &CudaStream, n: usize, uses: &[RingUse], mut step: impl FnMut(usize, bool) -> Result<(), CudaError>) -> Result<(), CudaError> {
+        let (cs, copy) = (stream.cu_stream(), self.copy.cu_stream());
+        let wait = |s, e| drv("ordering a streamed layer", unsafe { cu::stream::wait_event(s, e, cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) });
+        let record = |e, s| drv("ordering a streamed layer", unsafe { cu::event::record(e, s) });
+        record(self.start, cs)?;
+        wait(copy, self.start)?;
+        let slots = self.slots.len();
+        let mut issued = 0;
+        let mut issue = |upto: Option<usize>| -> Result<(), CudaError> {
+            while let Some(u) = uses.get(issued) {
+                match (u.after, upto) {
+                    (None, _) => {}
+                    (Some(a), Some(i)) if a <= i => wait(copy, self.done[issued - slots])?,
+                    _ => break,
+                }
+                self.copy_layer(issued)?;
+                issued += 1;
+            }
+            Ok(())
+        };
+        issue(None)?;
+        for i in 0..n {
+            let mut waited = false;
+            for (k, _) in uses.iter().enumerate().filter(|(_, u)| u.first == i) {
+                wait(cs, self.copied[k])?;
+                waited = true;
+            }
+            step(i, waited)?;
+            for (k, _) in uses.iter().enumerate().filter(|(k, u)| u.last == i && k + slots < uses.len()) {
+                record(self.done[k], cs)?;
+            }
+            issue(Some(i))?;
+        }
+        record(self.joined, copy)?;
+        wait(cs, self.joined)
+    }
+}
+
+impl Drop for Ring {
+    fn drop(&mut self) {
+        unsafe {
+            let _ = cu::stream::synchronize(self.copy.cu_stream());
+            for e in [self.start, self.joined].iter().chain(&self.copied).chain(&self.done) {
+                let _ = cu::event::destroy(*e);
+            }
+        }
+    }
+}
+
 /// Where compiled kernels are cached: `$THIN_CACHE_DIR`, else `$XDG_CACHE_HOME/thin`, else `~/.cache/thin`.
 pub fn cache_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("THIN_CACHE_DIR") {
@@ -112,6 +243,12 @@ pub struct LoadStats {
     /// Device memory in use (cuMemGetInfo: total - free) once the context and stream existed,
     /// before this engine allocated anything: what [`CudaEngine::measured_device_bytes`] subtracts.
     pub context_bytes: usize,
+    /// Layers whose matrices stream from host memory each pass (empty: all resident).
+    pub streamed_layers: Vec<u32>,
+    /// The streaming ring's device buffers, all slots together.
+    pub ring_bytes: usize,
+    /// Page-locked host memory holding the streamed layers: the bytes each token copies.
+    pub pinned_host_bytes: usize,
 }
 
 /// Copy `data` to device address `dst` in `stream`'s order and wait for it to land. (The
@@ -247,8 +384,9 @@ pub struct TimelineRow {
 
 pub use super::PREFILL_ROWS;
 
-/// The CUDA engine: every weight resident on the device, the decode step one graph, prefill
-/// batched (cuBLAS GEMMs over all prompt rows, causal attention over the cache).
+/// The CUDA engine: every weight resident on the device, or the streamed layers staged through
+/// a ring each pass ([`CudaOptions::streamed_layers`]); the decode step one graph, prefill batched
+/// (cuBLAS GEMMs over all prompt rows, causal attention over the cache).
 pub struct CudaEngine {
     _ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -256,8 +394,10 @@ pub struct CudaEngine {
     graph: cusys::CUgraphExec,
     graph_def: cusys::CUgraph,
     weights: DeviceBuffer,
-    /// (offset, bytes) of every uploaded weight in `weights`.
+    /// (offset, bytes) of every resident weight in `weights`.
     offsets: std::collections::BTreeMap<(Role, Option<u32>), (usize, usize)>,
+    /// The streamed layers, if any: read from the ring's slots.
+    ring: Option<Ring>,
     /// Every kernel the schedule launches, by instance name ([`Layout::kernel`]).
     funcs: BTreeMap<String, cusys::CUfunction>,
     /// The arch, its schedule among it.
@@ -348,13 +488,23 @@ fn compile(dev: &Device, arch: &CudaArch, layout: &Layout, timeline: bool, stats
     Ok((module, funcs))
 }
 
-/// Every weight the schedule reads, uploaded into one device buffer as stored (the layout has
-/// checked their types): the buffer and each tensor's (offset, bytes) in it.
+/// Every weight the schedule reads, as the kernels read it ([`plan::device_bytes`]): the resident
+/// ones uploaded into one device buffer (with each tensor's (offset, bytes) in it), the matrices
+/// of `streamed` layers copied into one page-locked host buffer as [`ring_layout`] places them
+/// (with that layout).
 #[allow(clippy::type_complexity)]
-fn upload_weights(dev: &Device, src: &dyn WeightSource, arch: &CudaArch, progress: bool) -> Result<(DeviceBuffer, BTreeMap<(Role, Option<u32>), (usize, usize)>), CudaError> {
+fn upload_weights(
+    dev: &Device,
+    src: &dyn WeightSource,
+    arch: &CudaArch,
+    streamed: &[u32],
+    progress: bool,
+) -> Result<(DeviceBuffer, BTreeMap<(Role, Option<u32>), (usize, usize)>, Option<(PinnedBuffer, usize, usize, Vec<StreamedLayer>)>), CudaError> {
     let mut offsets = BTreeMap::new();
     let mut total = 0usize;
     let mut sources = Vec::new();
+    let mut stream_sources = BTreeMap::new();
+    let mut spans = Vec::new();
     for (role, layer) in arch.schedule.weights() {
         // Norm vectors are f32 in every profile (the kernels read them as such).
         let stored = src.dtype(role, layer);
@@ -367,11 +517,31 @@ fn upload_weights(dev: &Device, src: &dyn WeightSource, arch: &CudaArch, progres
         }
         .map_err(|msg| CudaError::Weight { role, layer, msg })?;
         let n = bytes.len();
+        let aligned = n.div_ceil(plan::ALIGN) * plan::ALIGN;
+        let span = WeightSpan { role, layer, bytes: aligned as u64, first_page: 0, page_count: 0 };
+        if !span.always_resident() && layer.is_some_and(|l| streamed.contains(&l)) {
+            spans.push(span);
+            stream_sources.insert((role, layer), bytes);
+            continue;
+        }
         offsets.insert((role, layer), (total, n));
         sources.push((bytes, total));
-        total += n.div_ceil(plan::ALIGN) * plan::ALIGN;
+        total += aligned;
     }
     let weights = DeviceBuffer::new(total, false, "allocating weights")?;
+    let ring = if streamed.is_empty() {
+        None
+    } else {
+        let (slots, slot_bytes, layers) = ring_layout(&spans, streamed, RING_SLOTS);
+        let mut host = PinnedBuffer::new(layers.iter().map(|l| l.bytes as usize).sum())?;
+        for l in &layers {
+            for t in &l.tensors {
+                let bytes = &stream_sources[&(t.role, Some(l.layer))];
+                host.write((l.host_offset + t.offset) as usize, bytes)?;
+            }
+        }
+        Some((host, slots, slot_bytes as usize, layers))
+    };
     let bar = progress.then(|| {
         let b = indicatif::ProgressBar::new(total as u64);
         b.set_style(indicatif::ProgressStyle::with_template("uploading weights {bar:40} {bytes}/{total_bytes} {bytes_per_sec}").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()));
@@ -386,7 +556,39 @@ fn upload_weights(dev: &Device, src: &dyn WeightSource, arch: &CudaArch, progres
     if let Some(b) = bar {
         b.finish_and_clear();
     }
-    Ok((weights, offsets))
+    Ok((weights, offsets, ring))
+}
+
+/// The ring for `layers` (as [`upload_weights`] staged them in `host`): its slots and copy stream,
+/// events, and its use by the decode step and a prefill pass, checked against both schedules (and
+/// the epilogue, which must read no streamed matrix).
+fn make_ring(dev: &Device, arch: &CudaArch, host: PinnedBuffer, slots: usize, slot_bytes: usize, layers: Vec<StreamedLayer>) -> Result<Ring, CudaError> {
+    let streamed: Vec<u32> = layers.iter().map(|l| l.layer).collect();
+    let decode_steps: Vec<Vec<plan::WeightRef>> = arch.schedule.decode.iter().map(|l| l.weights().collect()).collect();
+    let prefill_steps: Vec<Vec<plan::WeightRef>> = arch.schedule.prefill.iter().map(Step::weights).collect();
+    let decode = plan::ring_uses(&decode_steps, &streamed, slots)?;
+    let prefill = plan::ring_uses(&prefill_steps, &streamed, slots)?;
+    if let Some((r, l)) = arch.schedule.epilogue.iter().flat_map(|l| l.weights()).find(|&(r, l)| !r.is_norm() && l.is_some_and(|l| streamed.contains(&l))) {
+        return Err(CudaError::Weight { role: r, layer: l, msg: "streamed, but read by the prefill epilogue (outside any staged pass)".into() });
+    }
+    let places = layers.iter().flat_map(|l| l.tensors.iter().map(move |t| ((t.role, Some(l.layer)), (l.slot, t.offset as usize, t.bytes as usize)))).collect();
+    let slot_bufs = (0..slots).map(|_| DeviceBuffer::new(slot_bytes, false, "allocating the streaming ring")).collect::<Result<Vec<_>, _>>()?;
+    let copy = drv("creating the copy stream", dev.ctx.new_stream())?;
+    let event = || drv("creating an event", cu::event::create(cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING));
+    let n = layers.len();
+    Ok(Ring {
+        copy,
+        host,
+        slots: slot_bufs,
+        layers,
+        places,
+        decode,
+        prefill,
+        start: event()?,
+        joined: event()?,
+        copied: (0..n).map(|_| event()).collect::<Result<_, _>>()?,
+        done: (0..n).map(|_| event()).collect::<Result<_, _>>()?,
+    })
 }
 
 /// cuBLAS on the engine's stream, if the library is there (prefill's GEMMs; without it prefill
@@ -430,8 +632,17 @@ impl CudaEngine {
         let (module, funcs) = compile(&dev, arch, &layout, opts.timeline, &mut stats)?;
 
         let t = Instant::now();
-        let (weights, offsets) = upload_weights(&dev, src, arch, opts.progress)?;
+        let (weights, offsets, staged) = upload_weights(&dev, src, arch, &opts.streamed_layers, opts.progress)?;
         stats.weight_bytes = weights.bytes;
+        let ring = match staged {
+            Some((host, slots, slot_bytes, layers)) => Some(make_ring(&dev, arch, host, slots, slot_bytes, layers)?),
+            None => None,
+        };
+        if let Some(r) = &ring {
+            stats.streamed_layers = opts.streamed_layers.clone();
+            stats.ring_bytes = r.slot_bytes();
+            stats.pinned_host_bytes = r.host.bytes;
+        }
         let arena = DeviceBuffer::new(layout.total_bytes, true, "allocating activations and KV cache")?;
         for t in [RopeTable::Global, RopeTable::Local] {
             if let (Some((co, _)), Some((so, _))) = (layout.get(Buf::Cos(t)), layout.get(Buf::Sin(t))) {
@@ -453,6 +664,7 @@ impl CudaEngine {
             graph_def: std::ptr::null_mut(),
             weights,
             offsets,
+            ring,
             funcs,
             spec: arch.clone(),
             blas,
@@ -472,13 +684,14 @@ impl CudaEngine {
         let t = Instant::now();
         let cs = self.stream.cu_stream();
         drv("starting graph capture", unsafe { cu::stream::begin_capture(cs, cusys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) })?;
-        let mut capture_err = None;
-        for l in &self.spec.schedule.decode {
-            if let Err(e) = self.launch(l, 1, self.stats.pdl) {
-                capture_err = Some(e);
-                break;
-            }
-        }
+        let decode = &self.spec.schedule.decode;
+        let captured = match &self.ring {
+            // A launch right after a wait for a copy is an ordinary one: its weights are read
+            // before pdl_enter(), so its start must wait for the copy, not only its predecessor's drain.
+            Some(r) => r.staged(&self.stream, decode.len(), &r.decode, |i, waited| self.launch(&decode[i], 1, self.stats.pdl && !waited)),
+            None => decode.iter().try_for_each(|l| self.launch(l, 1, self.stats.pdl)),
+        };
+        let capture_err = captured.err();
         let graph_def = drv("ending graph capture", unsafe { cu::stream::end_capture(cs) })?;
         self.graph_def = graph_def;
         if let Some(e) = capture_err {
@@ -500,8 +713,21 @@ impl CudaEngine {
     }
 
     fn weight(&self, r: Role, l: Option<u32>) -> Result<u64, CudaError> {
-        let off = self.offsets.get(&(r, l)).ok_or(CudaError::Weight { role: r, layer: l, msg: "not uploaded".into() })?;
-        Ok(self.weights.ptr + off.0 as u64)
+        if let Some(off) = self.offsets.get(&(r, l)) {
+            return Ok(self.weights.ptr + off.0 as u64);
+        }
+        let ring = self.ring.as_ref();
+        let (slot, off, _) = ring.and_then(|ring| ring.places.get(&(r, l))).ok_or(CudaError::Weight { role: r, layer: l, msg: "not uploaded".into() })?;
+        Ok(ring.map_or(0, |ring| ring.slots[*slot].ptr) + *off as u64)
+    }
+
+    /// Refuse what reads the weights outside a staged pass (a streamed layer's slot holds
+    /// whichever layer was copied last).
+    fn all_resident(&self, what: &'static str) -> Result<(), CudaError> {
+        match &self.ring {
+            Some(r) => Err(CudaError::Driver { what, err: format!("{} layers stream through the ring: this needs every weight resident (--residency all)", r.layers.len()) }),
+            None => Ok(()),
+        }
     }
 
     /// Launch one kernel; with `pdl` (graph capture on sm_90+) as a programmatic dependent launch:
@@ -607,13 +833,16 @@ impl CudaEngine {
         for chunk in tokens.chunks(self.layout.prefill_rows) {
             let ids: Vec<i32> = chunk.iter().map(|&t| t as i32).collect();
             drv("writing prompt ids", unsafe { cu::memcpy_htod_async(self.buf(Buf::PToks), &ids, cs) }).map_err(Self::engine_err)?;
-            for step in &self.spec.schedule.prefill {
-                match step {
-                    Step::Kernel(l) => self.launch(l, chunk.len(), false),
-                    Step::Gemm(g) => self.gemm(handle, g, chunk.len()),
-                }
-                .map_err(Self::engine_err)?;
+            let steps = &self.spec.schedule.prefill;
+            let run = |i: usize, _waited: bool| match &steps[i] {
+                Step::Kernel(l) => self.launch(l, chunk.len(), false),
+                Step::Gemm(g) => self.gemm(handle, g, chunk.len()),
+            };
+            match &self.ring {
+                Some(r) => r.staged(&self.stream, steps.len(), &r.prefill, run),
+                None => (0..steps.len()).try_for_each(|i| run(i, false)),
             }
+            .map_err(Self::engine_err)?;
             self.pos += chunk.len();
             self.set_pos(self.pos).map_err(Self::engine_err)?;
             last_rows = chunk.len();
@@ -676,9 +905,9 @@ impl CudaEngine {
         Ok(t[0] as u32)
     }
 
-    /// Bytes this engine holds on the device (weights + activations + KV cache).
+    /// Bytes this engine holds on the device (resident weights + streaming ring + activations + KV cache).
     pub fn device_bytes(&self) -> usize {
-        self.stats.weight_bytes + self.arena.bytes
+        self.stats.weight_bytes + self.stats.ring_bytes + self.arena.bytes
     }
 
     /// Device memory this engine has added since its context existed, as the driver counts it
@@ -712,6 +941,54 @@ impl CudaEngine {
         Ok(2.0 * BYTES as f64 * 10.0 / t.elapsed().as_secs_f64() / 1e9)
     }
 
+    /// Host-to-device copy rate in GB/s from page-locked memory, the way streamed layers cross the
+    /// link: with a ring, every streamed layer copied into its slot on the copy stream, three rounds
+    /// timed after one untimed (every pass refills the slots, so this disturbs nothing); without
+    /// one, 256 MiB from a pinned buffer into a device buffer, both made for it and freed after.
+    pub fn host_link_gb_s(&self) -> Result<f64, CudaError> {
+        const ROUNDS: usize = 3;
+        drv("binding the context", self._ctx.bind_to_thread())?;
+        drv("synchronizing", self.stream.synchronize())?;
+        let (a, b) = (
+            drv("creating an event", cu::event::create(cusys::CUevent_flags::CU_EVENT_DEFAULT))?,
+            drv("creating an event", cu::event::create(cusys::CUevent_flags::CU_EVENT_DEFAULT))?,
+        );
+        let timed = (|| -> Result<f64, CudaError> {
+            const PROBE_BYTES: usize = 256 << 20;
+            let probe = match self.ring {
+                Some(_) => None,
+                None => Some((PinnedBuffer::new(PROBE_BYTES)?, DeviceBuffer::new(PROBE_BYTES, false, "allocating the host-link probe")?)),
+            };
+            let cs = self.ring.as_ref().map_or(self.stream.cu_stream(), |r| r.copy.cu_stream());
+            // One round of copies: the bytes it moved.
+            let round = || -> Result<usize, CudaError> {
+                if let Some(r) = &self.ring {
+                    (0..r.layers.len()).try_for_each(|k| r.copy_layer(k))?;
+                    return Ok(r.host.bytes);
+                }
+                let Some((h, d)) = &probe else { return Ok(0) };
+                drv("timing a host copy", unsafe { cusys::cuMemcpyHtoDAsync_v2(d.ptr, h.ptr as *const c_void, h.bytes, cs).result() })?;
+                Ok(h.bytes)
+            };
+            let bytes = round()?;
+            unsafe {
+                drv("recording an event", cu::event::record(a, cs))?;
+                for _ in 0..ROUNDS {
+                    round()?;
+                }
+                drv("recording an event", cu::event::record(b, cs))?;
+                drv("synchronizing", cu::stream::synchronize(cs))?;
+                let ms = drv("reading an event", cu::event::elapsed(a, b))?;
+                Ok((bytes * ROUNDS) as f64 / (ms as f64 * 1e-3) / 1e9)
+            }
+        })();
+        unsafe {
+            let _ = cu::event::destroy(a);
+            let _ = cu::event::destroy(b);
+        }
+        timed
+    }
+
     pub fn launches(&self) -> &[Launch] {
         &self.spec.schedule.decode
     }
@@ -742,6 +1019,7 @@ impl CudaEngine {
 
     /// Run one decode or prefill step (a kernel or a GEMM over `rows` rows) outside any graph and wait for it.
     pub fn run_step(&self, step: &Step, rows: usize) -> Result<(), CudaError> {
+        self.all_resident("running one step alone")?;
         drv("binding the context", self._ctx.bind_to_thread())?;
         match step {
             Step::Kernel(l) => self.launch(l, rows, false)?,
@@ -800,6 +1078,7 @@ impl CudaEngine {
     /// and the gap to the next launch, as in the step. The last row is the whole step, timed the
     /// same way. Leaves the KV cache and position changed: call `reset` before generating.
     pub fn profile(&mut self, reps: usize) -> Result<Vec<KernelTime>, CudaError> {
+        self.all_resident("profiling kernels one by one")?;
         drv("binding the context", self._ctx.bind_to_thread())?;
         let reps = reps.max(1);
         let pos = self.pos.min(self.layout.ctx.saturating_sub(4 * reps + 16));
@@ -848,6 +1127,7 @@ impl CudaEngine {
     /// first launch and the mean span from the first kernel's start to the last one's. Advances
     /// the position.
     pub fn timeline(&mut self, steps: usize) -> Result<(Vec<TimelineRow>, f64), CudaError> {
+        self.all_resident("reading the step timeline")?;
         if !self.stats.timeline {
             return Err(CudaError::Driver { what: "reading the step timeline", err: "the kernels were built without stamps: bring the engine up with the timeline option (thin bench --timeline)".into() });
         }
