@@ -6,7 +6,9 @@ interleaved, on each archive given; appends one JSON line per archive and mode t
     cargo build --release --features smollm2-135m
     python3 bench/verify_cost.py OUT.jsonl RUNS ARCHIVE.thin [ARCHIVE.thin ...]
 
-On the device machine: THIN_BIN=.bin/thin BACKEND=cuda COMMIT=<hash> MACHINE="H100" (the tree
+The hashing runs on rayon's threads: RAYON_NUM_THREADS defaults to 2 here (the development
+machine's cores). On the device machine pass its threads, as a user's run has them:
+RAYON_NUM_THREADS=$(nproc) THIN_BIN=.bin/thin BACKEND=cuda COMMIT=<hash> MACHINE="H100" (the tree
 there has no .git and the binary is carried).
 """
 import datetime
