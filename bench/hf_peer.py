@@ -63,7 +63,8 @@ def compiled(model, steps, warm):
     (0: no recompiles after warm-up)."""
     from transformers import StaticCache
     cache = StaticCache(config=model.config, max_cache_len=512)
-    ids = torch.tensor([[1, 9906]], device="cuda")
+    # Ids inside the vocabulary of every model here, the floor's 256 included (9906 is not).
+    ids = torch.tensor([[1, 9906 % model.config.vocab_size]], device="cuda")
     out = model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(2, device="cuda"))
     tok = out.logits[:, -1:].argmax(-1)
     pos = torch.tensor([2], device="cuda")
