@@ -12,10 +12,7 @@ CONFIGS=${CONFIGS:-"base:"}
 ROUNDS=${ROUNDS:-1}
 W=${WORK:-/tmp/thin-bench}
 export PYTHONUNBUFFERED=1 THIN_CACHE_DIR=$W/cache
-for d in /usr/local/cuda/lib64 $(python3 -c "import nvidia, os; print(' '.join(os.path.join(p, s, 'lib') for p in nvidia.__path__ for s in ('cuda_nvrtc', 'cu13')))" 2>/dev/null); do
-  [ -d "$d" ] && LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
-done
-export LD_LIBRARY_PATH
+. bench/cuda_libs.sh
 for m in $MODELS; do
   [ -d "$W/hf/$m" ] || python3 bench/make_models.py "$W/hf" $m 2>&1 | grep -v Warning | grep made
   for round in $(seq "$ROUNDS"); do

@@ -14,11 +14,7 @@ BIN=${THIN_BIN:-.bin/thin}
 MODELS=${MODELS:-"smollm2-135m llama3.2-1b smollm3-3b"}
 W=${WORK:-/tmp/thin-bench}
 export PYTHONUNBUFFERED=1 THIN_CACHE_DIR=$W/cache
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-    $(python3 -c "import nvidia, os; print(' '.join(os.path.join(p, s, 'lib') for p in nvidia.__path__ for s in ('cuda_nvrtc', 'cu13')))" 2>/dev/null); do
-  [ -d "$d" ] && LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
-done
-export LD_LIBRARY_PATH
+. bench/cuda_libs.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 # The kernel tests (tests/cuda_kernels.rs, every kernel against the CPU ops on random inputs), if
 # their binary was built here and carried: cargo test --release --features cuda,<archs> --test cuda_kernels --no-run

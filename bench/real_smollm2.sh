@@ -29,10 +29,8 @@ case "${1:-}" in
     # interpreter's: HF then finds no gguf).
     python3 -m pip install --no-index --no-deps -q --target "$R/py" .whl/gguf-*.whl 2>&1 | grep -v "root user" | tail -1
     export PYTHONPATH="$R/py${PYTHONPATH:+:$PYTHONPATH}"
-    for d in /usr/local/cuda/lib64 $(python3 -c "import nvidia, os; print(' '.join(os.path.join(p, s, 'lib') for p in nvidia.__path__ for s in ('cuda_nvrtc', 'cu13')))" 2>/dev/null); do
-      [ -d "$d" ] && LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
-    done
-    export LD_LIBRARY_PATH THIN_CACHE_DIR=$R/cache PYTHONUNBUFFERED=1
+    . bench/cuda_libs.sh
+    export THIN_CACHE_DIR=$R/cache PYTHONUNBUFFERED=1
     "$BIN" convert "$R/hf/model.gguf" -o "$R/smol.thin" --profile bf16 --quiet || exit 4
     "$BIN" run "$R/smol.thin" --backend cuda --chat --prompt "What is the capital of France?" --max-tokens 48 2>&1 | tee "$OUT/run.txt"
     "$BIN" bench "$R/smol.thin" --json | tee "$OUT/thin.jsonl"

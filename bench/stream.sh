@@ -22,11 +22,7 @@ ROUNDS=${ROUNDS:-2}
 BENCH_ARGS=${BENCH_ARGS:-"--steps 64 --warmup 4 --reps 2 --pp 128 --tg 32"}
 W=${WORK:-/tmp/thin-bench}
 export PYTHONUNBUFFERED=1 THIN_CACHE_DIR=$W/cache
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-    $(python3 -c "import nvidia, os; print(' '.join(os.path.join(p, s, 'lib') for p in nvidia.__path__ for s in ('cuda_nvrtc', 'cu13')))" 2>/dev/null); do
-  [ -d "$d" ] && LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
-done
-export LD_LIBRARY_PATH
+. bench/cuda_libs.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ -x "${KERNEL_TESTS:-.bin/cuda_kernels}" ]; then
   "${KERNEL_TESTS:-.bin/cuda_kernels}" stream_equals_all --test-threads=1 --nocapture 2>&1 | grep -E "streamed|skipped|FAIL|panicked|test result" | tee "$OUT/stream_kernel_tests.txt"
