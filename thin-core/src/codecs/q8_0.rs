@@ -348,8 +348,9 @@ impl IntX {
 
 /// [`matvec_rows`] with `x` as [`IntX`] on AVX-512 VNNI: not the exact kernels' bits but within
 /// 1e-4 relative of their sum (test `int_dot_is_within_1e_4_of_the_exact_kernels`): each block's
-/// `sum qs_i X_i` is exact in integers, one f32 rounding joins its three byte sums, and `d_b 2^e_b`
-/// multiplies it into the row's f32 lanes. Falls back to the exact kernels (with `x`) on a CPU
+/// byte sums are exact in integers (the low two joined in an i32), become f32 lanes (the low sum
+/// rounded at most once), and are multiplied by `d_b 2^e_b` into the row's two accumulators, the
+/// top byte's scaled by 65536 once per row. Falls back to the exact kernels (with `x`) on a CPU
 /// without VNNI or below [`Isa::Avx512Dot`].
 pub fn matvec_rows_int(blocks: &[u8], xi: &IntX, x: &[f32], out: &mut [f32]) -> Result<(), CodecError> {
     let n = elems(NAME, out.len(), x.len())?;
