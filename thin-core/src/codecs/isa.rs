@@ -12,6 +12,17 @@
 
 use std::sync::OnceLock;
 
+/// Whether this CPU has the x86-64 feature named (false on other architectures).
+macro_rules! cpu_has {
+    ($feature:tt) => {{
+        #[cfg(target_arch = "x86_64")]
+        let has = std::arch::is_x86_feature_detected!($feature);
+        #[cfg(not(target_arch = "x86_64"))]
+        let has = false;
+        has
+    }};
+}
+
 /// A kernel level, in increasing order of what it needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
@@ -78,29 +89,12 @@ impl Isa {
 
     /// Whether prefill's bf16 GEMM runs on AVX-512 BF16 dot products at this level on this CPU.
     pub(crate) fn bf16_dot(self) -> bool {
-        self.min(Isa::detected()) == Isa::Avx512Dot && has_feature("avx512bf16")
+        self.min(Isa::detected()) == Isa::Avx512Dot && cpu_has!("avx512bf16")
     }
 
     /// Whether Q8_0 decode runs on AVX-512 VNNI integer dot products at this level on this CPU.
     pub(crate) fn int8_dot(self) -> bool {
-        self.min(Isa::detected()) == Isa::Avx512Dot && has_feature("avx512vnni")
-    }
-}
-
-/// Whether the CPU has `feature` (one of the two dot-product extensions).
-fn has_feature(feature: &str) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        match feature {
-            "avx512bf16" => std::arch::is_x86_feature_detected!("avx512bf16"),
-            "avx512vnni" => std::arch::is_x86_feature_detected!("avx512vnni"),
-            _ => false,
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = feature;
-        false
+        self.min(Isa::detected()) == Isa::Avx512Dot && cpu_has!("avx512vnni")
     }
 }
 
