@@ -65,30 +65,31 @@ fn emit_ops(ops: &[Op], layer: Option<u64>, eps: f32, sl: &mut Slots) -> Vec<Tok
     let mut code = Vec::new();
     let mut i = 0;
     while i < ops.len() {
-        let same_input = |o: &Op, first: &str| matches!(o, Op::Matvec { input, .. } if input == first);
-        let run = match &ops[i] {
-            Op::Matvec { input, .. } => ops[i..].iter().take_while(|o| same_input(o, input)).count(),
-            _ => 1,
-        };
-        if run == 1 {
+        // The matvecs from i on that read the input op i's matvec reads.
+        let first = match &ops[i] { Op::Matvec { input, .. } => Some(input), _ => None };
+        let run: Vec<_> = ops[i..]
+            .iter()
+            .map_while(|o| match o {
+                Op::Matvec { weight, input, out, out_dim, in_dim } if Some(input) == first => Some((weight, out, out_dim * in_dim)),
+                _ => None,
+            })
+            .collect();
+        if run.len() <= 1 {
             code.push(emit_op(&ops[i], layer, eps, sl));
-        } else {
-            let Op::Matvec { input, .. } = &ops[i] else { unreachable!("a run starts at a matvec") };
-            let x = format_ident!("{}", input);
-            let jobs: Vec<TokenStream> = ops[i..i + run]
-                .iter()
-                .map(|o| match o {
-                    Op::Matvec { weight, out, out_dim, in_dim, .. } => {
-                        let m = sl.named(weight, layer, lit_u(out_dim * in_dim));
-                        let o = format_ident!("{}", out);
-                        quote!((#m, &mut s.#o[..]))
-                    }
-                    _ => unreachable!("the run holds matvecs only"),
-                })
-                .collect();
-            code.push(quote! { thin_core::cpu::matvecs(&s.#x, &mut [#(#jobs),*]); });
+            i += 1;
+            continue;
         }
-        i += run;
+        let x = format_ident!("{}", first.expect("a run starts at a matvec"));
+        let jobs: Vec<TokenStream> = run
+            .iter()
+            .map(|&(weight, out, elems)| {
+                let m = sl.named(weight, layer, lit_u(elems));
+                let o = format_ident!("{}", out);
+                quote!((#m, &mut s.#o[..]))
+            })
+            .collect();
+        code.push(quote! { thin_core::cpu::matvecs(&s.#x, &mut [#(#jobs),*]); });
+        i += run.len();
     }
     code
 }
