@@ -3,8 +3,13 @@
 """HF transformers batch-1 decode baseline on random-weight models at real shapes.
 
 Usage: python3 hf_peer.py MODE [names...]   MODE = eager | compiled
+       python3 hf_peer.py offload GPU_MEM MODEL_DIR...
 "compiled" is gpt-fast style: one StaticCache of fixed size, forward compiled with
 mode="reduce-overhead" (CUDA graphs), the strongest plain-PyTorch peer.
+"offload" is what an HF user with a GPU smaller than the model writes: the saved model (e.g.
+bench/make_models.py's, the weights thin converts) loaded with device_map="auto" and
+max_memory={0: GPU_MEM, "cpu": ...}, so accelerate keeps what does not fit on the host and moves
+it in for each forward; the eager loop decodes (issue 28's peer for --residency stream).
 Prints one JSON line per model: tok/s over timed decode steps, peak allocated GiB.
 """
 import json, os, sys, time
@@ -93,8 +98,32 @@ def compiled(model, steps, warm):
 FLOOR = lambda: LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
     num_key_value_heads=1, vocab_size=256, max_position_embeddings=1024)
 
+@torch.no_grad()
+def offload(gpu_mem, path):
+    """Decode tok/s of the model at `path` with what does not fit `gpu_mem` offloaded to the host."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="auto",
+                                                 max_memory={0: gpu_mem, "cpu": "100GiB"}).eval()
+    on = {}
+    for d in model.hf_device_map.values():
+        on[str(d)] = on.get(str(d), 0) + 1
+    tps = eager(model, 16, 2)
+    return {"model": os.path.basename(path.rstrip("/")), "mode": "offload", "gpu_mem_limit": gpu_mem,
+            "device_map_modules": on, "tok_s": round(tps, 3),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
+
 def main():
     mode = sys.argv[1]
+    if mode == "offload":
+        print(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__,
+                          "gpu": torch.cuda.get_device_name()}), flush=True)
+        for path in sys.argv[3:]:
+            try:
+                rec = offload(sys.argv[2], path)
+            except Exception as e:  # report and go on to the next model
+                rec = {"model": path, "mode": "offload", "gpu_mem_limit": sys.argv[2], "error": repr(e)[:400]}
+            print(json.dumps(rec), flush=True)
+            torch.cuda.empty_cache()
+        return
     names = sys.argv[2:] or list(CONFIGS)
     print(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__,
                       "gpu": torch.cuda.get_device_name()}), flush=True)

@@ -10,7 +10,9 @@
 # (2) speed: `thin bench` with --residency stream at each --gpu-mem and all-resident, interleaved
 #     per round; each row carries residency, gpu_mem_limit, streamed_bytes_per_token, link_gbps
 #     (pinned host-to-device, measured in the same run with the ring's own copies),
-#     link_bound_tok_s and link_bound_fraction. Rows into $OUT/stream.jsonl, a table at the end.
+#     link_bound_tok_s and link_bound_fraction. Rows into $OUT/stream.jsonl, a table at the end;
+# (3) the HF peer at each --gpu-mem on the same bf16 weights (bench/hf_peer.py offload:
+#     device_map="auto", max_memory) into $OUT/stream_hf.jsonl (NO_HF=1 leaves it out).
 #   MODELS="smollm3-3b" PROFILES="bf16 fp8" GPU_MEMS="2GiB 4GiB" ROUNDS=2 bash bench/stream.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/thin-out}; mkdir -p "$OUT"
@@ -62,9 +64,15 @@ PY
       done
     done
   done
+  # The HF peer on the same weights (bf16) at each limit: device_map="auto" with max_memory.
+  if [ -z "${NO_HF:-}" ]; then
+    for g in $GPU_MEMS; do
+      timeout "${HF_TIMEOUT:-240}" python3 bench/hf_peer.py offload "$g" "$W/hf/$m" 2>/dev/null | grep '"mode"' | tee -a "$OUT/stream_hf.jsonl"
+    done
+  fi
 done
-python3 - "$OUT/stream.jsonl" <<'PY'
-import json, sys
+python3 - "$OUT/stream.jsonl" "$OUT/stream_hf.jsonl" <<'PY'
+import json, os, sys
 print('%-12s %-6s %-9s %8s %10s %12s %9s %10s %8s %9s' % ('model', 'prof', 'gpu_mem', 'streamed', 'MB/token', 'decode tok/s', 'link GB/s', 'bound t/s', '% bound', 'peak GiB'))
 for l in open(sys.argv[1]):
     r = json.loads(l)
@@ -73,4 +81,7 @@ for l in open(sys.argv[1]):
     print('%-12s %-6s %-9s %8s %10.1f %12.2f %9s %10s %8s %9.3f' % (r['model'], r['profile'], '%.2fGiB' % (g / 2**30) if g else '-', len(p.get('streamed_layers', [])),
           (r.get('streamed_bytes_per_token') or 0) / 1e6, r['decode_tok_s'], '%.1f' % r['link_gbps'] if r.get('link_gbps') else '-',
           '%.2f' % r['link_bound_tok_s'] if r.get('link_bound_tok_s') else '-', '%.1f' % (100 * r['link_bound_fraction']) if r.get('link_bound_fraction') else '-', r.get('peak_gib') or 0))
+for l in open(sys.argv[2]) if os.path.exists(sys.argv[2]) else []:
+    r = json.loads(l)
+    print('%-12s %-6s %-9s %8s %10s %12s   HF device_map="auto" %s' % (r['model'], 'hf', r['gpu_mem_limit'], '', '', r.get('tok_s', '-'), r.get('error') or r.get('device_map_modules')))
 PY
