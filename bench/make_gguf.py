@@ -1,4 +1,4 @@
-"""A random-weight GGUF of a Llama-family description that llama.cpp and thin both read (issue 29 point 4).
+"""A random-weight GGUF of a Llama or SmolLM3 description that llama.cpp and thin both read (issue 29 point 4).
 
     python3 bench/make_gguf.py tokenizer SRC.gguf OUT.json.gz
         every `tokenizer.*` key of a llama.cpp GGUF (tokens, merges, token types, pre, ids, chat
@@ -6,7 +6,7 @@
     python3 bench/make_gguf.py model OUT.gguf --tokenizer TOK.json.gz [--arch archs/llama3.2-1b.toml]
             [--tiny] [--seed 0] [--jobs N]
         a BF16 GGUF of the description's shapes laid out as llama.cpp's convert_hf_to_gguf.py
-        writes a Llama model: `llama.*` hyperparameters, the tokenizer's keys with its token list
+        writes a Llama (or SmolLM3) model: `<arch>.*` hyperparameters, the tokenizer's keys with its token list
         padded to the description's vocab_size with `[PAD<i>]` tokens of type UNUSED (what the
         converter does for a padded vocabulary), tied embeddings (no output.weight), F32 norms, and
         for `rope_type = "llama3"` the `rope_freqs.weight` factors the converter computes (llama.cpp
@@ -60,9 +60,10 @@ def load_arch(path, tiny):
         d = tomllib.load(f) if tomllib else None
     if d is None:
         raise SystemExit("python >= 3.11 (tomllib) is needed to read the description")
-    if d["model"]["family"] != "llama":
-        raise SystemExit(f"{path}: family {d['model']['family']!r}; only llama is written")
-    a = dict(name=d["model"]["name"], vocab=d["dims"]["vocab_size"], hidden=d["dims"]["hidden_size"],
+    # SmolLM3 is a Llama layout to llama.cpp (its graph skips RoPE on every 4th layer by itself).
+    if d["model"]["family"] not in ("llama", "smollm3"):
+        raise SystemExit(f"{path}: family {d['model']['family']!r}; only llama and smollm3 are written")
+    a = dict(name=d["model"]["name"], family=d["model"]["family"], vocab=d["dims"]["vocab_size"], hidden=d["dims"]["hidden_size"],
              layers=d["dims"]["num_layers"], ff=d["dims"]["intermediate_size"], ctx=d["dims"]["max_position_embeddings"],
              heads=d["attention"]["num_heads"], kv_heads=d["attention"]["num_kv_heads"], head_dim=d["attention"]["head_dim"],
              theta=d["rope"]["theta"], scaling=d["rope"].get("scaling"), eps=d["norm"]["eps"],
@@ -145,7 +146,7 @@ def write_model(out, tok_path, arch_path, tiny, seed, jobs):
     if len(tokens) > a["vocab"]:
         raise SystemExit(f"the tokenizer has {len(tokens)} tokens, more than vocab_size {a['vocab']}")
     pad = a["vocab"] - len(tokens)
-    w = gguf.GGUFWriter(out, "llama")
+    w = gguf.GGUFWriter(out, a["family"])
     w.add_type("model")
     w.add_name(f"{a['name']} random (seed {seed}, normal std {STD})")
     w.add_block_count(a["layers"])
