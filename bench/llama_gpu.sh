@@ -96,7 +96,8 @@ stamp "llama.cpp ready in $LLAMA_BIN"
 export PYTHONPATH="$LLAMA_GGUF_PY${PYTHONPATH:+:$PYTHONPATH}"
 
 # --- models ------------------------------------------------------------------------------------
-# make_sources MODEL: $W/MODEL/{BF16,Q8_0,...}.gguf and the thin archives; prints what it made.
+# $W/MODEL/{BF16,Q8_0,...}.gguf and the thin archives $W/MODEL/*.thin; each is made once per
+# machine (a later call on a warm machine finds them).
 quantize() { # dir type [source]
   local d=$1 q=$2 src=${3:-$1/BF16.gguf} extra=()
   [ -f "$d/$q.gguf" ] && return 0
