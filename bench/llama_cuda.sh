@@ -72,10 +72,17 @@ llama_cuda_build() {
   rm -rf "$LLAMA_WORK/gguf-py" && cp -a "$src/llama.cpp/gguf-py" "$LLAMA_WORK/gguf-py"
   echo "llama_cuda: built in $(( $(date +%s) - t0 )) s: $(du -sh "$LLAMA_WORK/bin" | cut -f1) in $LLAMA_WORK/bin" >&2
   ls -la "$LLAMA_WORK/bin" >&2
+  # A call brings back at most 8 files of 16 MiB, 64 MiB in all: the bundle only goes to $OUT in
+  # at most 4 parts (60 MiB), leaving room for the results.
   if [ -n "${OUT:-}" ] && [ "${LLAMA_EXPORT:-1}" != 0 ]; then
-    tar -czf "$LLAMA_WORK/llama-cuda.tgz" -C "$LLAMA_WORK" bin gguf-py && rm -f "$OUT"/llama-cuda.tgz.part* \
-      && split -b 15728640 -d -a 1 "$LLAMA_WORK/llama-cuda.tgz" "$OUT/llama-cuda.tgz.part" \
-      && echo "llama_cuda: bundle $(stat -c %s "$LLAMA_WORK/llama-cuda.tgz") bytes in $OUT: $(cd "$OUT" && ls llama-cuda.tgz.part* | tr '\n' ' ')(copy them into $LLAMA_BUNDLE_DIR/ and carry it)" >&2
+    tar -czf "$LLAMA_WORK/llama-cuda.tgz" -C "$LLAMA_WORK" bin gguf-py || return 1
+    local size; size=$(stat -c %s "$LLAMA_WORK/llama-cuda.tgz")
+    if [ "$size" -gt $(( 4 * 15728640 )) ]; then
+      echo "llama_cuda: bundle $size bytes, more than 4 parts of 15 MiB: not returned (carry .llama/src again)" >&2
+    else
+      rm -f "$OUT"/llama-cuda.tgz.part* && split -b 15728640 -d -a 1 "$LLAMA_WORK/llama-cuda.tgz" "$OUT/llama-cuda.tgz.part" \
+        && echo "llama_cuda: bundle $size bytes in $OUT: $(cd "$OUT" && ls llama-cuda.tgz.part* | tr '\n' ' ')(copy them into $LLAMA_BUNDLE_DIR/ and carry it)" >&2
+    fi
   fi
 }
 
