@@ -49,8 +49,10 @@ llama_cuda_build() {
   t0=$(date +%s)
   [ -f "$LLAMA_SRC_TGZ" ] || { echo "llama_cuda: no $LLAMA_SRC_TGZ to build from (bash bench/llama_cuda.sh pack-src here, carry .llama/src)" >&2; return 1; }
   # A build an earlier call on this machine left unfinished (its timeout) goes on where it stopped.
-  if [ ! -f "$src/.done" ] || [ "$LLAMA_SRC_TGZ" -nt "$src/.done" ]; then
-    rm -rf "$src" "$build" && mkdir -p "$src" && tar -xzf "$LLAMA_SRC_TGZ" -C "$src" && touch "$src/.done" || return 1
+  # (The same tarball by its checksum, not its time: a carried file's time may be the copy's.)
+  local sum; sum=$(cksum < "$LLAMA_SRC_TGZ")
+  if [ "$(cat "$src/.done" 2>/dev/null)" != "$sum" ]; then
+    rm -rf "$src" "$build" && mkdir -p "$src" && tar -xzf "$LLAMA_SRC_TGZ" -C "$src" && echo "$sum" > "$src/.done" || return 1
   fi
   command -v ninja >/dev/null && gen=(-G Ninja)
   if [ "${LLAMA_CUDA:-1}" != 0 ]; then
@@ -61,7 +63,7 @@ llama_cuda_build() {
     -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "${cuda[@]}" \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DGGML_CCACHE=OFF > "$LLAMA_WORK/cmake.log" 2>&1 \
-    || { tail -20 "$LLAMA_WORK/cmake.log" >&2; return 1; }
+    || { tail -20 "$LLAMA_WORK/cmake.log" >&2; rm -rf "$build"; return 1; }
   echo "llama_cuda: configured in $(( $(date +%s) - t0 )) s; building llama-bench llama-quantize -j$(nproc)" >&2
   timeout "${LLAMA_BUILD_TIMEOUT:-330}" cmake --build "$build" --target llama-bench llama-quantize -j"$(nproc)" > "$LLAMA_WORK/build.log" 2>&1 \
     || { echo "llama_cuda: build failed or timed out after $(( $(date +%s) - t0 )) s" >&2; tail -15 "$LLAMA_WORK/build.log" >&2; return 1; }
