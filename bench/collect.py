@@ -10,6 +10,11 @@ also takes bench/ab.sh's rows of that config from OUT_DIR/ab.jsonl, one row per 
 "config" and "method" added: decode only (ab.sh runs --pp 16 --tg 16, so prefill_tok_s is None).
 bench/profiles.sh's rows (OUT_DIR/profiles.jsonl) are taken as they are, one per round, with the
 bytes per token, copy rate and roofline beside the speed.
+bench/llama_gpu.sh's rows (OUT_DIR/llama_gpu.jsonl: thin profiles and llama.cpp types, engine
+"thin" or "llama.cpp", "profile" or "quant", weight_bytes_per_token, tg/pp tok/s) likewise, with
+prefill_tok_s set from pp_tok_s; their own commit and gpu fields are kept (bench/stream.sh's
+OUT_DIR/stream_llama.jsonl too: llama-bench at an -ngl for each --gpu-mem, with device_mib):
+    python3 bench/collect.py OUT_DIR COMMIT bench/results/llama_gpu.jsonl
 """
 import datetime, json, os, sys
 
@@ -56,6 +61,13 @@ def main(out, commit, results="bench/results/h200.jsonl"):
                          weight_bytes_per_token=r["weight_bytes_per_token"], copy_gb_s=r["copy_gb_s"],
                          roofline_tok_s=r["roofline_tok_s"], roofline_pct=r["roofline_pct"],
                          method="bench/profiles.sh: thin bench --reps 1 --pp 128 --tg 16 (reference decode method)"))
+    # bench/llama_gpu.sh: thin against llama.cpp, each row already complete.
+    # bench/stream.sh's llama.cpp rows (-ngl for each --gpu-mem) likewise.
+    for r in lines(os.path.join(out, "llama_gpu.jsonl")) + lines(os.path.join(out, "stream_llama.jsonl")):
+        row = dict(run_id=run_id, commit=commit, date=date, gpu=gpu)
+        row.update({k: v for k, v in r.items() if not (k in ("commit", "gpu") and v in (None, "", "unknown"))})
+        row.setdefault("prefill_tok_s", r.get("pp_tok_s"))
+        rows.append(row)
     for mode in ("compiled", "eager"):
         for r in lines(os.path.join(out, f"peer_{mode}.jsonl")):
             if "model" not in r or "tok_s" not in r:

