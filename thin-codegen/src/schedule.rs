@@ -363,6 +363,10 @@ fn grid_tokens(g: &Grid) -> TokenStream {
             let w = weight_tokens(weight.0, weight.1);
             quote!(Grid::MatvecRows { weight: (#w), in_features: #in_features, rows: #rows, nr: #nr })
         }
+        Grid::ExpertTiles { weight, in_features, rows, nr, experts, top_k } => {
+            let w = weight_tokens(weight.0, weight.1);
+            quote!(Grid::ExpertTiles { weight: (#w), in_features: #in_features, rows: #rows, nr: #nr, experts: #experts, top_k: #top_k })
+        }
         Grid::HeadSplits { heads } => quote!(Grid::HeadSplits { heads: #heads }),
         Grid::Fixed(x, y, z) => quote!(Grid::Fixed(#x, #y, #z)),
         Grid::Rows => quote!(Grid::Rows),
