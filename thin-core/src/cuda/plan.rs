@@ -291,7 +291,8 @@ pub enum Grid {
     /// One block per head and decode attention split: `(heads, splits, 1)`.
     HeadSplits { heads: usize },
     /// [`Grid::Matvec`]'s blocks once for each row of the pass, rows in y: `(matvec, rows, 1)`
-    /// (decode: one row). The MoE kernels, whose every row reads its own experts.
+    /// (decode: one row). The MoE router and the decode step's expert kernels (prefill's take
+    /// [`Grid::ExpertTiles`]).
     MatvecRows { weight: WeightRef, in_features: usize, rows: usize, nr: usize },
     /// Prefill's grouped MoE kernels: the matvec of `rows` outputs of `nr` rows of `weight` of
     /// `in_features`, split over x (each block [`MOE_GROUPS_PER_BLOCK`] output groups), once for
