@@ -19,9 +19,11 @@
 //! `norm_residual` on sandwich archs), qk_rope_kv, attn_partial + attn_combine_rows, and
 //! prefill's rows_norm, the seven GEMMs, qk_rope_kv and attn_partial + attn_combine_rows over 7
 //! rows, and `norm_residual` over prefill rows where scheduled; on a mixture-of-experts arch
-//! (OLMoE) moe_router, moe_topk (renormalised and not, a tie among the best), moe_gateup and
-//! moe_down on random routes instead of the dense MLP's kernels and GEMMs, decode and over 7
-//! prefill rows; a last check fails if any
+//! (OLMoE) moe_router and moe_topk (renormalised and not, a tie among the best), decode and over
+//! 7 prefill rows, then moe_gateup and moe_down (decode) and prefill's grouped moe_group,
+//! moe_gateup_grouped, moe_down_grouped and moe_combine (7 rows, two experts in every row, a
+//! second run bit for bit) on random routes instead of the dense MLP's kernels and GEMMs; a
+//! last check fails if any
 //! kernel instance the module defines never ran. The decode forms of qk_rope_kv, attn_partial and
 //! attn_combine_rows (over `Qkv` and the split partials) are launched by hand from the schedule's
 //! prefill launches: the split merge is only reached that way. Each arch runs six times: bf16 weights,
@@ -696,7 +698,7 @@ impl<'a> T<'a> {
         k.insert("EMB_SCALE_F32", traits("f32")["EMB_SCALE"]);
         k.insert("EMB_SCALE", traits("bf16")["EMB_SCALE"]);
         let a = self.a;
-        let want = [
+        let mut want = vec![
             ("VOCAB", (a.dims.vocab_size as usize) as f64),
             ("HIDDEN", (a.dims.hidden_size as usize) as f64),
             ("HEADS", (a.dims.num_heads as usize) as f64),
@@ -711,6 +713,10 @@ impl<'a> T<'a> {
             ("MATVEC_WARPS", plan::MATVEC_WARPS as f64),
             ("ATTN_WARPS", plan::ATTN_WARPS as f64),
         ];
+        if self.experts > 0 {
+            // The grouped prefill kernels' tile, which the plan's grid (moe_tile) assumes.
+            want.extend([("MOE_TILE_ROWS", plan::MOE_TILE_ROWS as f64), ("MOE_STAGE_FLOATS", (plan::MOE_STAGE_BYTES / 4) as f64)]);
+        }
         let (mut worst, mut bad) = (0.0f32, Vec::new());
         for (name, v) in want {
             let got = k.get(name).copied().unwrap_or(f64::NAN);
@@ -1003,15 +1009,20 @@ impl<'a> T<'a> {
         self.check("norm_gateup", Some(l), "random x", &got[..self.ffn], &want, TOL_F32);
     }
 
-    /// The MoE launches of layer `l`: the decode step's, or prefill's (over its P buffers).
-    fn moe_launches(&self, l: usize, prefill: bool) -> [Launch; 4] {
+    /// The MoE launches of layer `l` in schedule order, from its router on: the decode step's
+    /// (router, top-k, gate/up, down), or prefill's (over its P buffers: router, top-k, then the
+    /// grouped path: moe_group, moe_gateup_grouped, moe_down_grouped, moe_combine).
+    fn moe_launches(&self, l: usize, prefill: bool) -> Vec<Launch> {
         let list = if prefill { &self.prefill } else { &self.fused };
-        let layer = |k: &str| list.iter().find(|la| la.kernel == k && layer_of(la) == Some(l)).cloned().unwrap_or_else(|| panic!("no {k} launch for layer {l}"));
-        // moe_topk reads no weight: the one after this layer's router.
-        let router = layer("moe_router");
-        let Arg::Buf(logits) = router.args[3] else { panic!("moe_router: argument 3 is not the logits") };
-        let topk = list.iter().find(|la| la.kernel == "moe_topk" && la.args[0] == Arg::Buf(logits)).cloned().expect("a moe_topk launch");
-        [router, topk, layer("moe_gateup"), layer("moe_down")]
+        let want: &[&str] = if prefill {
+            &["moe_router", "moe_topk", "moe_group", "moe_gateup_grouped", "moe_down_grouped", "moe_combine"]
+        } else {
+            &["moe_router", "moe_topk", "moe_gateup", "moe_down"]
+        };
+        let at = list.iter().position(|la| la.kernel == "moe_router" && layer_of(la) == Some(l)).unwrap_or_else(|| panic!("no moe_router launch for layer {l}"));
+        let got: Vec<Launch> = list[at..].iter().take(want.len()).cloned().collect();
+        assert_eq!(got.iter().map(|la| la.kernel).collect::<Vec<_>>(), want, "layer {l}'s MoE launches (prefill: {prefill})");
+        got
     }
 
     /// Rows of a buffer a check may write: `rows` and, where it holds one more (prefill's), a row
@@ -1021,15 +1032,17 @@ impl<'a> T<'a> {
     }
 
     /// A route of `rows` rows: top_k distinct random experts each, random weights; as written.
-    fn rand_route(&mut self, b: Buf, rows: usize) -> Vec<(Vec<usize>, Vec<f32>)> {
+    /// The `shared` experts are in every row, at a slot that moves from row to row.
+    fn rand_route(&mut self, b: Buf, rows: usize, shared: &[usize]) -> Vec<(Vec<usize>, Vec<f32>)> {
         let mut out = Vec::new();
         let mut bytes = Vec::new();
-        for _ in 0..rows {
-            let mut ids: Vec<usize> = (0..self.experts).collect();
-            for i in 0..self.top_k {
+        for r in 0..rows {
+            let mut ids: Vec<usize> = shared.iter().copied().chain((0..self.experts).filter(|e| !shared.contains(e))).collect();
+            for i in shared.len()..self.top_k {
                 ids.swap(i, i + self.rng.below(self.experts - i));
             }
             ids.truncate(self.top_k);
+            ids.rotate_right(r % self.top_k);
             let w: Vec<f32> = (0..self.top_k).map(|_| 0.05 + self.rng.unit()).collect();
             bytes.extend(ids.iter().flat_map(|&e| (e as i32).to_le_bytes()));
             bytes.extend(w.iter().flat_map(|x| x.to_le_bytes()));
@@ -1091,7 +1104,7 @@ impl<'a> T<'a> {
         let (h, w) = (self.h, self.top_k * self.ffn);
         let x = self.rand(rows * h, 2.0);
         self.put(xb, &x);
-        let route = self.rand_route(rb, rows);
+        let route = self.rand_route(rb, rows, &[]);
         let n = self.rows_in(out, rows, 4 * w);
         let mut want = self.rand(n * w, 1.0);
         self.put(out, &want);
@@ -1115,7 +1128,7 @@ impl<'a> T<'a> {
         let (h, ffn, w) = (self.h, self.ffn, self.top_k * self.ffn);
         let act = self.rand(rows * w, 0.5);
         self.put(ab, &act);
-        let route = self.rand_route(rb, rows);
+        let route = self.rand_route(rb, rows, &[]);
         let n = self.rows_in(xb, rows, 4 * h);
         let mut want = self.rand(n * h, 1.0);
         self.put(xb, &want);
@@ -1130,16 +1143,101 @@ impl<'a> T<'a> {
         self.check("moe_down", Some(l), format!("{ab:?} -> {xb:?} rows={rows}"), &got[..n * h], &want, TOL_F32);
     }
 
-    /// Every MoE kernel of layer `l`: the decode forms (one row), then prefill's (ROWS rows).
+    /// Every MoE kernel of layer `l`: the decode forms (one row), or prefill's (ROWS rows).
     fn moe(&mut self, l: usize, prefill: bool) {
-        let [router, topk, gateup, down] = self.moe_launches(l, prefill);
+        let launches = self.moe_launches(l, prefill);
         let rows = if prefill { ROWS } else { 1 };
-        self.moe_router(&router, rows, l);
+        self.moe_router(&launches[0], rows, l);
         for renorm in [false, true] {
-            self.moe_topk(&topk, rows, renorm);
+            self.moe_topk(&launches[1], rows, renorm);
         }
-        self.moe_gateup(&gateup, rows, l);
-        self.moe_down(&down, rows, l);
+        if prefill {
+            self.moe_grouped(&launches[2..], rows, l);
+        } else {
+            self.moe_gateup(&launches[2], rows, l);
+            self.moe_down(&launches[3], rows, l);
+        }
+    }
+
+    /// Prefill's experts grouped by expert over `rows` rows (moe_group, moe_gateup_grouped,
+    /// moe_down_grouped, moe_combine) on a random route in which two experts are chosen by every
+    /// row (more rows than a gate/up tile holds) and most by none: the lists exactly, the
+    /// activations and each pair's down output against the CPU ops, the residual after
+    /// moe_combine, and that residual again, bit for bit, from a second run.
+    fn moe_grouped(&mut self, launches: &[Launch], rows: usize, l: usize) {
+        let [group, gateup, down, combine] = launches else { panic!("four grouped MoE launches") };
+        let (Arg::Buf(rb), Arg::Buf(gb)) = (group.args[0], group.args[2]) else { panic!("moe_group: arguments {:?}", group.args) };
+        let (Arg::Buf(xb), Arg::Buf(ab)) = (gateup.args[0], gateup.args[5]) else { panic!("moe_gateup_grouped: arguments {:?}", gateup.args) };
+        let Arg::Buf(db) = down.args[3] else { panic!("moe_down_grouped: arguments {:?}", down.args) };
+        let (h, ffn, k, experts) = (self.h, self.ffn, self.top_k, self.experts);
+        let (pairs, w) = (rows * k, k * ffn);
+        let shared = [1, experts - 1];
+        let route = self.rand_route(rb, rows, &shared);
+        let case = format!("rows={rows}, experts {shared:?} in every row");
+        let expert_of = |p: usize| route[p / k].0[p % k];
+
+        // moe_group: each expert's pairs row * top_k + slot, ascending, after the offsets.
+        self.put_i32(gb, &vec![-1; experts + 1 + pairs]);
+        self.run(group, rows);
+        let mut want = vec![0.0f32];
+        let mut list = Vec::new();
+        for e in 0..experts {
+            list.extend((0..pairs).filter(|&p| expert_of(p) == e).map(|p| p as f32));
+            want.push(list.len() as f32);
+        }
+        want.extend(list);
+        let got: Vec<f32> = self.get_i32(gb).iter().map(|&v| v as f32).collect();
+        self.check("moe_group", Some(l), case.clone(), &got[..want.len()], &want, 0.0);
+
+        // moe_gateup_grouped: act of pair p = act(Wg[e] n) * (Wu[e] n), n the pair's row normed.
+        let x = self.rand(rows * h, 2.0);
+        self.put(xb, &x);
+        let n = self.rows_in(ab, rows, 4 * w);
+        let mut want = self.rand(n * w, 1.0);
+        self.put(ab, &want);
+        self.run(gateup, rows);
+        let g = self.wt(Role::FfnNorm, l);
+        // Each expert's matrices decoded once (most pairs share a few experts).
+        let (rw, mut decoded) = (self.w, BTreeMap::new());
+        let mut expert = |role: Role, e: usize| -> Vec<f32> { decoded.entry((role, e)).or_insert_with(|| rw.expert_f32(role, Some(l as u32), e)).clone() };
+        for (p, a) in want.chunks_mut(ffn).take(pairs).enumerate() {
+            let xn = self.rms(&x[p / k * h..][..h], &g);
+            let mut gate = matvec(&expert(Role::MoeGate, expert_of(p)), &xn);
+            (self.r.act)(&mut gate, &matvec(&expert(Role::MoeUp, expert_of(p)), &xn));
+            a.copy_from_slice(&gate);
+        }
+        let act = self.get(ab);
+        self.check("moe_gateup_grouped", Some(l), case.clone(), &act[..n * w], &want, TOL_F32);
+
+        // moe_down_grouped: each pair's Wd[e] act, before its weight.
+        let n = self.rows_in(db, pairs, 4 * h);
+        let mut want = self.rand(n * h, 1.0);
+        self.put(db, &want);
+        self.run(down, rows);
+        for (p, y) in want.chunks_mut(h).take(pairs).enumerate() {
+            y.copy_from_slice(&matvec(&expert(Role::MoeDown, expert_of(p)), &act[p * ffn..][..ffn]));
+        }
+        let per_pair = self.get(db);
+        self.check("moe_down_grouped", Some(l), case.clone(), &per_pair[..n * h], &want, TOL_F32);
+
+        // moe_combine: x += sum_j w_j down_j over each row's slots; twice, the same bits.
+        let n = self.rows_in(xb, rows, 4 * h);
+        let x0 = self.rand(n * h, 1.0);
+        let mut want = x0.clone();
+        for (r, xr) in want.chunks_mut(h).take(rows).enumerate() {
+            for (j, &wj) in route[r].1.iter().enumerate() {
+                xr.iter_mut().zip(&per_pair[(r * k + j) * h..][..h]).for_each(|(o, d)| *o += wj * d);
+            }
+        }
+        let mut runs = Vec::new();
+        for _ in 0..2 {
+            self.put(xb, &x0);
+            self.run(down, rows);
+            self.run(combine, rows);
+            runs.push(self.get(xb));
+        }
+        self.check("moe_combine", Some(l), case.clone(), &runs[0][..n * h], &want, TOL_F32);
+        self.check("moe_down_grouped + moe_combine", Some(l), format!("{case}: a second run, bit for bit"), &runs[1][..n * h], &runs[0][..n * h], 0.0);
     }
 
     /// `out (+)= W in`, W = `role` of layer `l` (`[hidden, in]`), a random `out` before.

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CPU emulation of the mixture-of-experts kernels (see scripts/emu/run.sh for the emulator):
-# moe_router, moe_topk, moe_gateup and moe_down with bf16 and FP8 weights against float64, decode
-# (one row) and prefill (three rows), weights plain and renormalised, the unchosen experts' rows
+# moe_router, moe_topk, the decode step's moe_gateup and moe_down, and prefill's grouped path
+# (moe_group, moe_gateup_grouped, moe_down_grouped, moe_combine) with bf16 and FP8 weights against
+# float64 over 1, 3 and 17 rows, weights plain and renormalised, the unchosen experts' rows
 # unmapped so that reading one is a segfault (scripts/emu/moe_check.cpp).
 # By default on OLMoE-1B-7B's description at smaller shapes (hidden 256, ffn 128, 16 experts, top 4;
 # rendered by `thin-codegen kernels`): the emulator runs a thread per CUDA thread, and the real

@@ -23,6 +23,9 @@ pub struct DecodeKernels {
     /// Experts of a mixture-of-experts MLP and how many each token takes (0 for a dense MLP).
     pub experts: u64,
     pub top_k: u64,
+    /// Prefill's grouped MoE kernels: most pairs a tile, and the f32 inputs its staging holds.
+    pub moe_tile_rows: usize,
+    pub moe_stage_floats: usize,
     pub eps: String,
     pub emb_scale: String,
     /// The embedding scale rounded to bf16, as HF applies it to bf16 weights.
@@ -63,6 +66,8 @@ pub fn emit_kernels(d: &Description, schedule: &Schedule) -> Result<BTreeMap<Str
         ffn: d.dims.intermediate_size,
         experts: d.moe.as_ref().map_or(0, |m| m.num_experts),
         top_k: d.moe.as_ref().map_or(0, |m| m.top_k),
+        moe_tile_rows: cp::MOE_TILE_ROWS,
+        moe_stage_floats: cp::MOE_STAGE_BYTES / 4,
         eps: format!("{:e}", d.norm.eps),
         emb_scale: format!("{emb:e}"),
         emb_scale_bf16: format!("{:e}", half::bf16::from_f64(emb).to_f64()),

@@ -117,37 +117,50 @@ impl Out {
 }
 
 impl Out {
-    /// A mixture-of-experts MLP into the residual, decode and prefill alike (the same four kernels;
-    /// prefill runs them over every prompt row, grid y): the router matvec over the normed
+    /// A mixture-of-experts MLP into the residual. Both passes: the router matvec over the normed
     /// residual; the softmax and top-k of its logits with the weights (renormalised if `renorm`),
-    /// on the device, into the route buffer; the chosen experts' gate and up rows only; their down
-    /// rows, weighted, added into the residual. Nothing crosses to the host within a token.
+    /// on the device, into the route buffer. Nothing crosses to the host within a token.
     ///
-    /// Prefill does not group prompt rows by expert yet: each row reads its own experts' rows (a
-    /// decode step's weight traffic per prompt token, in one launch per kernel), where a grouped
-    /// GEMM would read each chosen expert once per pass.
+    /// The decode step then reads the chosen experts' gate and up rows only, and their down rows,
+    /// weighted, added into the residual (one row: each chosen expert is read once anyway).
+    ///
+    /// Prefill groups the prompt rows by expert instead, so an expert chosen by many rows is read
+    /// once per tile of them, not once per row: `moe_group` lists each expert's (row, slot) pairs
+    /// (on the device, into fixed-size buffers: the pass stays capturable); the grouped gate/up
+    /// and down kernels take a tile of one expert's pairs a block, the down kernel writing each
+    /// pair's output apart; `moe_combine` adds them into each residual row with the route's
+    /// weights in slot order, so the sum is the same on every run (no float atomics).
     fn moe(&mut self, li: Option<u32>, norm: Role, (experts, top_k, renorm): (usize, usize, bool), h: usize, ffn: usize) {
         let w = |r: Role| Arg::Weight(r, li);
         let (router, gate, up, down) = (Role::MoeRouter, Role::MoeGate, Role::MoeUp, Role::MoeDown);
         let grid = |weight: Role, in_features: usize, rows: usize, nr: usize| {
             (Some((weight, li)), Grid::MatvecRows { weight: (weight, li), in_features, rows, nr })
         };
+        let tiles = |weight: Role, in_features: usize, rows: usize, nr: usize| {
+            (Some((weight, li)), Grid::ExpertTiles { weight: (weight, li), in_features, rows, nr, experts, top_k })
+        };
         let renorm = Arg::I32(renorm as i32);
-        for (x, logits, route, act) in [(Buf::X, Buf::MoeLogits, Buf::MoeRoute, Buf::MoeAct), (Buf::PX, Buf::PMoeLogits, Buf::PMoeRoute, Buf::PMoeAct)] {
-            let launches = [
+        let route = |x: Buf, logits: Buf, route: Buf| {
+            [
                 ("moe_router", grid(router, h, experts, 1), MV, vec![Arg::Buf(x), w(norm), w(router), Arg::Buf(logits)]),
                 ("moe_topk", (None, Grid::Rows), 32, vec![Arg::Buf(logits), renorm, Arg::Buf(route)]),
-                ("moe_gateup", grid(gate, h, top_k * ffn, 2), MV, vec![Arg::Buf(x), w(norm), w(gate), w(up), Arg::Buf(route), Arg::Buf(act)]),
-                ("moe_down", grid(down, ffn, h, top_k), MV, vec![Arg::Buf(act), w(down), Arg::Buf(route), Arg::Buf(x)]),
-            ];
-            for (kernel, g, block, args) in launches {
-                if x == Buf::X {
-                    self.k(kernel, g, block, args);
-                } else {
-                    self.pk(kernel, g, block, args);
-                }
-            }
+            ]
+        };
+        let (x, route_buf, act) = (Buf::X, Buf::MoeRoute, Buf::MoeAct);
+        for (kernel, g, block, args) in route(x, Buf::MoeLogits, route_buf) {
+            self.k(kernel, g, block, args);
         }
+        self.k("moe_gateup", grid(gate, h, top_k * ffn, 2), MV, vec![Arg::Buf(x), w(norm), w(gate), w(up), Arg::Buf(route_buf), Arg::Buf(act)]);
+        self.k("moe_down", grid(down, ffn, h, top_k), MV, vec![Arg::Buf(act), w(down), Arg::Buf(route_buf), Arg::Buf(x)]);
+
+        let (x, route_buf, act, groups, out) = (Buf::PX, Buf::PMoeRoute, Buf::PMoeAct, Buf::PMoeGroups, Buf::PMoeDown);
+        for (kernel, g, block, args) in route(x, Buf::PMoeLogits, route_buf) {
+            self.pk(kernel, g, block, args);
+        }
+        self.pk("moe_group", (None, Grid::Fixed(1, 1, 1)), 256, vec![Arg::Buf(route_buf), Arg::Elements { width: top_k }, Arg::Buf(groups)]);
+        self.pk("moe_gateup_grouped", tiles(gate, h, ffn, 2), MV, vec![Arg::Buf(x), w(norm), w(gate), w(up), Arg::Buf(groups), Arg::Buf(act)]);
+        self.pk("moe_down_grouped", tiles(down, ffn, h, 1), MV, vec![Arg::Buf(act), w(down), Arg::Buf(groups), Arg::Buf(out)]);
+        self.pk("moe_combine", (None, Grid::Rows), 256, vec![Arg::Buf(out), Arg::Buf(route_buf), Arg::Buf(x)]);
     }
 }
 
@@ -362,6 +375,10 @@ fn grid_tokens(g: &Grid) -> TokenStream {
         Grid::MatvecRows { weight, in_features, rows, nr } => {
             let w = weight_tokens(weight.0, weight.1);
             quote!(Grid::MatvecRows { weight: (#w), in_features: #in_features, rows: #rows, nr: #nr })
+        }
+        Grid::ExpertTiles { weight, in_features, rows, nr, experts, top_k } => {
+            let w = weight_tokens(weight.0, weight.1);
+            quote!(Grid::ExpertTiles { weight: (#w), in_features: #in_features, rows: #rows, nr: #nr, experts: #experts, top_k: #top_k })
         }
         Grid::HeadSplits { heads } => quote!(Grid::HeadSplits { heads: #heads }),
         Grid::Fixed(x, y, z) => quote!(Grid::Fixed(#x, #y, #z)),

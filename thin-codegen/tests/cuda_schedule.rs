@@ -107,8 +107,10 @@ fn with_sandwich_norms(t: String) -> String {
 /// kernels: the router matvec (the FFN norm fused in), top-k and the weights on the device into
 /// the route buffer, the chosen experts' gate/up rows, their down rows weighted into the
 /// residual. The expert choice stays in device buffers (no launch or step hands it to the host:
-/// the decode step is still one graph). Prefill runs the same kernels over the prompt rows
-/// (grid y), its attention projections as GEMMs; no GEMM touches the experts.
+/// the decode step is still one graph). Prefill runs the router and top-k over the prompt rows
+/// (grid y), its attention projections as GEMMs, then groups the rows by expert on the device:
+/// the grouped gate/up and down kernels over tiles of one expert's rows, the pairs' outputs
+/// summed into the residual in slot order; no GEMM touches the experts.
 #[test]
 fn olmoe_layers_route_on_the_device() {
     let s = schedule_of("archs/tiny/olmoe-tiny.toml", |t| t).unwrap();
@@ -133,15 +135,29 @@ fn olmoe_layers_route_on_the_device() {
     // The renormalisation flag comes from the description.
     let renorm = schedule_of("archs/tiny/olmoe-tiny.toml", |t| t.replace("norm_topk_prob = false", "norm_topk_prob = true")).unwrap();
     assert_eq!(find(&renorm.decode, "moe_topk").args[1], Arg::I32(1));
-    // Prefill: per layer the q, k, v, o GEMMs (no expert GEMM), the MoE kernels over every row.
+    // Prefill: per layer the q, k, v, o GEMMs (no expert GEMM), the router and top-k over every
+    // row, then the rows grouped by expert.
     let names: Vec<&str> = s.prefill.iter().map(|st| match st { Step::Kernel(k) => k.kernel, Step::Gemm(_) => "gemm" }).collect();
-    let layer = ["rows_norm", "gemm", "gemm", "gemm", "qk_norm_whole", "qk_rope_kv", "attn_partial", "attn_combine_rows", "gemm", "moe_router", "moe_topk", "moe_gateup", "moe_down"];
+    let layer = ["rows_norm", "gemm", "gemm", "gemm", "qk_norm_whole", "qk_rope_kv", "attn_partial", "attn_combine_rows", "gemm"];
+    let moe = ["moe_router", "moe_topk", "moe_group", "moe_gateup_grouped", "moe_down_grouped", "moe_combine"];
+    let layer: Vec<&str> = layer.into_iter().chain(moe).collect();
     assert_eq!(names[1..1 + layer.len()], layer);
     assert_eq!(names.len(), 1 + 2 * layer.len());
     let prefill: Vec<Launch> = s.prefill.iter().filter_map(|st| if let Step::Kernel(k) = st { Some(k.clone()) } else { None }).collect();
-    let pdown = find(&prefill, "moe_down");
-    assert_eq!(pdown.args, [Arg::Buf(Buf::PMoeAct), Arg::Weight(Role::MoeDown, Some(0)), Arg::Buf(Buf::PMoeRoute), Arg::Buf(Buf::PX)]);
-    assert_eq!(pdown.grid, Grid::MatvecRows { weight: (Role::MoeDown, Some(0)), in_features: 32, rows: 64, nr: 2 });
+    let w0 = |r: Role| Arg::Weight(r, Some(0));
+    let group = find(&prefill, "moe_group");
+    assert_eq!((group.typed_by, group.grid, group.block), (None, Grid::Fixed(1, 1, 1), 256), "one block, for every weight type");
+    assert_eq!(group.args, [Arg::Buf(Buf::PMoeRoute), Arg::Elements { width: 2 }, Arg::Buf(Buf::PMoeGroups)], "rows x top_k pairs, counted at launch");
+    let pgateup = find(&prefill, "moe_gateup_grouped");
+    assert_eq!(pgateup.args, [Arg::Buf(Buf::PX), w0(Role::FfnNorm), w0(Role::MoeGate), w0(Role::MoeUp), Arg::Buf(Buf::PMoeGroups), Arg::Buf(Buf::PMoeAct)]);
+    assert_eq!(pgateup.grid, Grid::ExpertTiles { weight: (Role::MoeGate, Some(0)), in_features: 64, rows: 32, nr: 2, experts: 8, top_k: 2 }, "ffn outputs of gate and up rows");
+    let pdown = find(&prefill, "moe_down_grouped");
+    assert_eq!(pdown.args, [Arg::Buf(Buf::PMoeAct), w0(Role::MoeDown), Arg::Buf(Buf::PMoeGroups), Arg::Buf(Buf::PMoeDown)]);
+    assert_eq!(pdown.grid, Grid::ExpertTiles { weight: (Role::MoeDown, Some(0)), in_features: 32, rows: 64, nr: 1, experts: 8, top_k: 2 }, "hidden outputs, one down row");
+    let combine = find(&prefill, "moe_combine");
+    assert_eq!((combine.typed_by, combine.grid), (None, Grid::Rows));
+    assert_eq!(combine.args, [Arg::Buf(Buf::PMoeDown), Arg::Buf(Buf::PMoeRoute), Arg::Buf(Buf::PX)]);
+    assert!(prefill.iter().all(|l| l.kernel != "moe_gateup" && l.kernel != "moe_down"), "prefill reads experts grouped only");
     assert!(s.gemms().all(|g| !matches!(g.weight.0, Role::MoeRouter | Role::MoeGate | Role::MoeUp | Role::MoeDown)));
     // The generated module says the same.
     assert_eq!(thin_generated::olmoe_tiny::cuda::arch().unwrap().schedule, s);

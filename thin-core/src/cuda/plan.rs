@@ -30,6 +30,15 @@ pub const ATTN_CLUSTER: usize = 8;
 pub const MATVEC_BLOCKS_PER_SM: u32 = 4;
 /// No matvec grid is larger (the LM head's per-block argmax candidates are sized by it).
 pub const MATVEC_MAX_BLOCKS: u32 = 4096;
+/// Most (row, slot) pairs of one expert a grouped prefill MoE block takes at once (its tile):
+/// each weight packet it loads is dotted with that many staged inputs.
+pub const MOE_TILE_ROWS: usize = 8;
+/// Shared memory a grouped MoE block stages its tile's inputs in (f32 rows; under the 48 KiB of
+/// static shared memory a kernel may declare, with room for its reductions).
+pub const MOE_STAGE_BYTES: usize = 40 * 1024;
+/// Output groups a grouped MoE block takes through its tile (the grid's x covers the rest):
+/// enough that staging the tile's inputs is small against streaming the weights.
+pub const MOE_GROUPS_PER_BLOCK: usize = 8;
 /// Byte alignment of every region in the device arenas (16-byte vector loads need 16; 256 matches cudaMalloc).
 pub const ALIGN: usize = 256;
 /// Weight storage types the kernels have a traits block for (`kernels/decode.cu.j2`): a kernel
@@ -258,10 +267,18 @@ pub enum Buf {
     MoeRoute,
     /// The chosen experts' activations `act(gate) * up`, expert after expert, `[top_k * ffn]` f32.
     MoeAct,
-    /// Prefill rows of [`Buf::MoeLogits`], [`Buf::MoeRoute`], [`Buf::MoeAct`].
+    /// Prefill rows of [`Buf::MoeLogits`], [`Buf::MoeRoute`], [`Buf::MoeAct`] (the activations of
+    /// (row, slot) pair `row * top_k + slot` at that pair's offset).
     PMoeLogits,
     PMoeRoute,
     PMoeAct,
+    /// Prefill's rows grouped by expert (i32, written by `moe_group` on the device): `[experts + 1]`
+    /// offsets, expert e's pairs at `[off[e], off[e + 1])` of the list that follows, `[rows * top_k]`
+    /// pairs `row * top_k + slot`, by expert, ascending within one.
+    PMoeGroups,
+    /// Prefill: each (row, slot) pair's down projection before its route weight, `[rows * top_k,
+    /// hidden]` f32, summed into the residual row by row in slot order (`moe_combine`).
+    PMoeDown,
 }
 
 /// A launch's grid as the schedule states it; [`Layout::grid`] resolves it for the machine (its
@@ -274,8 +291,14 @@ pub enum Grid {
     /// One block per head and decode attention split: `(heads, splits, 1)`.
     HeadSplits { heads: usize },
     /// [`Grid::Matvec`]'s blocks once for each row of the pass, rows in y: `(matvec, rows, 1)`
-    /// (decode: one row). The MoE kernels, whose every row reads its own experts.
+    /// (decode: one row). The MoE router and the decode step's expert kernels (prefill's take
+    /// [`Grid::ExpertTiles`]).
     MatvecRows { weight: WeightRef, in_features: usize, rows: usize, nr: usize },
+    /// Prefill's grouped MoE kernels: the matvec of `rows` outputs of `nr` rows of `weight` of
+    /// `in_features`, split over x (each block [`MOE_GROUPS_PER_BLOCK`] output groups), once for
+    /// each tile of one expert's pairs in y, as many as any routing of the pass can make
+    /// ([`moe_tiles`]); blocks past the routing's last tile return.
+    ExpertTiles { weight: WeightRef, in_features: usize, rows: usize, nr: usize, experts: usize, top_k: usize },
     /// Exactly this grid.
     Fixed(u32, u32, u32),
     /// One block per prefill row: `(rows, 1, 1)`.
@@ -354,6 +377,19 @@ pub fn matvec_grid(in_features: usize, rows: usize, nr: usize, vec: usize, sm_co
     let per_block = (MATVEC_WARPS * 32 / matvec_group_threads(in_features, vec, nr)) as usize;
     let need = rows.div_ceil(per_block) as u32;
     (need.min(sm_count.max(1) * per_sm.max(1)).min(MATVEC_MAX_BLOCKS).max(1), 1, 1)
+}
+
+/// (Row, slot) pairs of one expert a grouped MoE block over inputs of `in_features` takes at once:
+/// as many f32 input rows as [`MOE_STAGE_BYTES`] holds, 1 to [`MOE_TILE_ROWS`] (the kernels'
+/// `moe_tile<IN>()`).
+pub fn moe_tile(in_features: usize) -> usize {
+    (MOE_STAGE_BYTES / 4 / in_features.max(1)).clamp(1, MOE_TILE_ROWS)
+}
+
+/// The most tiles of `tile` pairs that `pairs` (row, slot) pairs over `experts` experts can make:
+/// each expert that has any makes ceil(count / tile), less than count / tile + 1.
+pub fn moe_tiles(pairs: usize, experts: usize, tile: usize) -> usize {
+    pairs.div_ceil(tile) + experts.min(pairs)
 }
 
 /// Offsets of every buffer in one device arena, and the schedule's grids and values resolved for a
@@ -449,6 +485,8 @@ impl Layout {
             Buf::PMoeLogits => r * experts * 4,
             Buf::PMoeRoute => r * 2 * top_k * 4,
             Buf::PMoeAct => r * top_k * ffn * 4,
+            Buf::PMoeGroups => (experts + 1 + r * top_k) * 4,
+            Buf::PMoeDown => r * top_k * hidden * 4,
         };
         // Tok and Pos are written by the host even where no kernel of the schedule reads them.
         let mut bufs = a.schedule.buffers();
@@ -504,6 +542,11 @@ impl Layout {
             Grid::MatvecRows { weight, in_features, rows: out, nr } => {
                 let vec = self.type_of(weight).map_or(4, weights_per_vec);
                 (matvec_grid(in_features, out, nr, vec, self.sm_count, MATVEC_BLOCKS_PER_SM).0, r, 1)
+            }
+            Grid::ExpertTiles { weight, in_features, rows: out, nr, experts, top_k } => {
+                let vec = self.type_of(weight).map_or(4, weights_per_vec);
+                let per_block = (MATVEC_WARPS * 32 / matvec_group_threads(in_features, vec, nr)) as usize * MOE_GROUPS_PER_BLOCK;
+                (out.div_ceil(per_block) as u32, moe_tiles(rows * top_k, experts, moe_tile(in_features)) as u32, 1)
             }
             Grid::HeadSplits { heads } => (heads as u32, self.splits as u32, 1),
             Grid::Fixed(x, y, z) => (x, y, z),
@@ -756,6 +799,29 @@ mod tests {
         assert_eq!(sizes, [8 * 4, 2 * 2 * 4, 2 * 128 * 4, 32 * 8 * 4, 32 * 2 * 2 * 4, 32 * 2 * 128 * 4]);
         let x = matvec_grid(128, 64, 2, 8, 132, MATVEC_BLOCKS_PER_SM).0;
         assert_eq!((l.grid(g, 1), l.grid(g, 7)), ((x, 1, 1), (x, 7, 1)));
+    }
+
+    /// Prefill's grouped MoE: the groups (offsets, then every pair) and the per-pair down outputs
+    /// sized for the most rows; the tile grid covers the most tiles any routing makes.
+    #[test]
+    fn moe_grouped_buffers_and_grids() {
+        let mut a = arch();
+        (a.dims.num_experts, a.dims.top_k) = (8, 2);
+        let gate = (Role::MoeGate, Some(0));
+        let g = Grid::ExpertTiles { weight: gate, in_features: 64, rows: 512, nr: 2, experts: 8, top_k: 2 };
+        let bufs = [Buf::PX, Buf::PMoeGroups, Buf::PMoeAct, Buf::PMoeDown].map(Arg::Buf);
+        a.schedule.prefill.push(Step::Kernel(Launch { kernel: "moe_gateup_grouped", typed_by: Some(gate), grid: g, block: 256, args: [&bufs[..], &[Arg::Weight(gate.0, gate.1)]].concat() }));
+        let l = Layout::new(&a, 64, 32, &bf16, 132).unwrap();
+        assert_eq!((l.get(Buf::PMoeGroups).unwrap().1, l.get(Buf::PMoeDown).unwrap().1), ((8 + 1 + 32 * 2) * 4, 32 * 2 * 64 * 4));
+        // bf16 rows of 64: 32 threads an output, 8 outputs a group pass, 8 passes a block: x = 512 / 64.
+        assert_eq!(moe_tile(64), MOE_TILE_ROWS);
+        assert_eq!((l.grid(g, 1), l.grid(g, 7)), ((8, 1 + 2, 1), (8, 2 + 8, 1)));
+        // Tiles of OLMoE's gate/up (inputs of 2048: 5 rows fit) and down (1024: 8).
+        assert_eq!((moe_tile(2048), moe_tile(1024), moe_tile(1 << 20)), (5, 8, 1));
+        // The bound holds for every routing: 7 pairs, tiles of 3, 3 experts.
+        for counts in [[7, 0, 0], [3, 3, 1], [1, 1, 5], [2, 2, 3], [4, 3, 0]] {
+            assert!(counts.iter().map(|c: &usize| c.div_ceil(3)).sum::<usize>() <= moe_tiles(7, 3, 3), "{counts:?}");
+        }
     }
 
     #[test]
