@@ -825,14 +825,7 @@ mod tests {
         let model = |freqs: &'static [u8]| SourceModel {
             kind: SourceKind::Gguf,
             arch: arch.clone(),
-            tokenizer: crate::manifest::TokenizerInfo {
-                tokenizer_json: String::new(),
-                sentencepiece: None,
-                chat_template: None,
-                bos_token_id: None,
-                eos_token_ids: vec![],
-                add_bos: false,
-            },
+            tokenizer: no_tokenizer(),
             tensors: vec![SourceTensor { name: "rope_freqs.weight".into(), shape: vec![(freqs.len() / 4) as u64], dtype: SourceDType::F32, bytes: freqs }],
             files: vec![],
             details: BTreeMap::new(),
@@ -868,6 +861,11 @@ mod tests {
         let mut bf = model(bytes(&f));
         bf.tensors[0].dtype = SourceDType::Bf16;
         assert!(rope_scaling_from_freqs(&mut bf, &known).unwrap_err().to_string().contains("F32"));
+    }
+
+    /// A source model's tokenizer where the test needs none.
+    fn no_tokenizer() -> crate::manifest::TokenizerInfo {
+        crate::manifest::TokenizerInfo { tokenizer_json: String::new(), sentencepiece: None, chat_template: None, bos_token_id: None, eos_token_ids: vec![], add_bos: false }
     }
 
     /// archs/olmoe-tiny.toml's `[tensors]` (thin-core's unit tests cannot reach thin_generated).
@@ -932,14 +930,7 @@ mod tests {
         let model = SourceModel {
             kind: SourceKind::Safetensors,
             arch,
-            tokenizer: crate::manifest::TokenizerInfo {
-                tokenizer_json: String::new(),
-                sentencepiece: None,
-                chat_template: None,
-                bos_token_id: None,
-                eos_token_ids: vec![],
-                add_bos: false,
-            },
+            tokenizer: no_tokenizer(),
             tensors: ts,
             files: vec![],
             details: BTreeMap::new(),
