@@ -1118,7 +1118,7 @@ mod tests {
         ];
         let lens = [600, 100, 1, 0];
         let mut want: Vec<Vec<f32>> = lens.iter().map(|&n| vec![0.0; n]).collect();
-        for ((w, o), _) in views.iter().zip(want.iter_mut()).zip(lens) {
+        for (w, o) in views.iter().zip(want.iter_mut()) {
             matvec(*w, &x, o);
         }
         let mut got: Vec<Vec<f32>> = lens.iter().map(|&n| vec![f32::NAN; n]).collect();
