@@ -23,21 +23,13 @@ row (the llama.cpp rows' "gpu_mem" read as well), so one call's streaming compar
 """
 import datetime, json, os, sys
 
+from llama_gpu import size_bytes  # bench/ is the script's directory, first on sys.path
+
 
 def lines(path):
     if not os.path.exists(path):
         return []
     return [json.loads(l) for l in open(path) if l.strip().startswith("{")]
-
-
-def size_bytes(text):
-    """'2GiB' -> 2147483648; None for anything else ('all', None)."""
-    units = {"gib": 2**30, "mib": 2**20, "gb": 10**9, "mb": 10**6}
-    t = str(text or "").lower()
-    for u, f in units.items():
-        if t.endswith(u):
-            return int(float(t[: -len(u)]) * f)
-    return None
 
 
 def main(out, commit, results="bench/results/h200.jsonl"):

@@ -102,13 +102,18 @@ def bpt(path):
     print(json.dumps({"weight_bytes_per_token": total, "tensor_bytes": size, "tied": tied}))
 
 
+def size_bytes(text):
+    """'2GiB' -> 2147483648, '512MB' -> 512000000; None for anything else ('all', None)."""
+    units = {"gib": 2**30, "mib": 2**20, "gb": 10**9, "mb": 10**6}
+    t = str(text or "").lower()
+    return next((int(float(t[: -len(u)]) * f) for u, f in units.items() if t.endswith(u)), None)
+
+
 def ngl(path, budget):
     """The most layers llama.cpp can offload within `budget` (e.g. 2GiB) of device memory: the
     layers' weights and their f16 KV cache for 4096 positions, less a fixed 0.5 GiB for its compute
     buffers and cuBLAS workspace (the row records what the run really took, read by nvidia-smi)."""
-    units = {"gib": 2**30, "mib": 2**20, "gb": 10**9, "mb": 10**6}
-    b = budget.lower()
-    limit = next((float(b[: -len(u)]) * f for u, f in units.items() if b.endswith(u)), None) or float(b)
+    limit = size_bytes(budget) or float(budget)
     meta, tensors = read_gguf(path)
     arch = meta["general.architecture"]
     n_layer, heads = meta[f"{arch}.block_count"], meta[f"{arch}.attention.head_count"]
