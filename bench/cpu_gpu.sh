@@ -21,19 +21,8 @@ for m in $MODELS; do
       python3 -c "import random, json; random.seed(11); print(json.dumps([random.randrange(1000) for _ in range($p + $STEPS)]))" > "$W/ids.json"
       "$BIN" logits "$a" --ids "$W/ids.json" --prompt-len $p -o "$W/gpu.f32" 2>/dev/null
       "$BIN" logits "$a" --ids "$W/ids.json" --prompt-len $p -o "$W/cpu.f32" --cpu 2>/dev/null
-      python3 - "$W/gpu.f32" "$W/cpu.f32" "$m" "$prof" "$p" "$(python3 -c "import json; print(json.load(open('$W/hf/$m/config.json'))['vocab_size'])")" <<'PY' >> "$OUT/cpu_gpu.jsonl"
-import json, os, sys, numpy as np
-g, c = (np.fromfile(f, dtype=np.float32) if os.path.exists(f) else None for f in sys.argv[1:3])
-r = {"model": sys.argv[3], "profile": sys.argv[4], "prompt": int(sys.argv[5])}
-v = int(sys.argv[6])
-if g is None or c is None or g.size != c.size or g.size == 0:
-    r["error"] = "missing or different sizes"
-else:
-    g, c = g.reshape(-1, v).astype(np.float64), c.reshape(-1, v).astype(np.float64)
-    cos = (g * c).sum(1) / np.linalg.norm(g, axis=1) / np.linalg.norm(c, axis=1)
-    r.update(rows=int(g.shape[0]), min_cosine=float(cos.min()), mean_cosine=float(cos.mean()), top1=float((g.argmax(1) == c.argmax(1)).mean()))
-print(json.dumps(r))
-PY
+      vocab=$(python3 -c "import json; print(json.load(open('$W/hf/$m/config.json'))['vocab_size'])")
+      python3 bench/compare_logits.py "$W/gpu.f32" "$W/cpu.f32" "$vocab" "model=$m" "profile=$prof" "prompt=$p" >> "$OUT/cpu_gpu.jsonl"
       rm -f "$W/gpu.f32" "$W/cpu.f32"
     done
   done

@@ -68,19 +68,8 @@ PY
   plen=$(python3 -c "import json; print(len(json.load(open('$REF'))['cases'][$i]['prompt_ids']))")
   "$BIN" logits "$a" --ids "$W/ids.json" --prompt-len "$plen" -o "$W/gpu.f32" 2>/dev/null
   "$BIN" logits "$a" --ids "$W/ids.json" --prompt-len "$plen" -o "$W/cpu.f32" --cpu 2>/dev/null
-  python3 - "$W/gpu.f32" "$W/cpu.f32" "$i" <<'PY' | tee -a "$ROWS"
-import json, os, sys, numpy as np
-v = 262144
-g, c = (np.fromfile(f, dtype=np.float32) if os.path.exists(f) else None for f in sys.argv[1:3])
-r = {"check": "thin logits: GPU against the CPU engine, same bf16 archive, prompt + HF's continuation teacher-forced", "case": int(sys.argv[3])}
-if g is None or c is None or g.size != c.size or g.size == 0 or g.size % v:
-    r["error"] = "missing or different sizes"
-else:
-    g, c = g.reshape(-1, v).astype(np.float64), c.reshape(-1, v).astype(np.float64)
-    cos = (g * c).sum(1) / np.linalg.norm(g, axis=1) / np.linalg.norm(c, axis=1)
-    r.update(rows=int(g.shape[0]), min_cosine=float(cos.min()), top1=float((g.argmax(1) == c.argmax(1)).mean()))
-print(json.dumps(r))
-PY
+  python3 bench/compare_logits.py "$W/gpu.f32" "$W/cpu.f32" 262144 \
+    "check=thin logits: GPU against the CPU engine, same bf16 archive, prompt + HF's continuation teacher-forced" "case=$i" | tee -a "$ROWS"
   rm -f "$W/gpu.f32" "$W/cpu.f32"
 done
 "$BIN" bench "$a" --json | tee -a "$ROWS" | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); print('decode', r['decode_tok_s'], 'prefill', r['prefill_tok_s'], 'peak GiB', r['peak_gib'])"
