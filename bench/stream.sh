@@ -3,14 +3,18 @@
 # (0) if the kernel-test binary was built and carried (cargo test --release --features
 #     cuda,<archs> --test cuda_kernels --no-run, copied to .bin/cuda_kernels), its
 #     *_stream_equals_all tests: whole prefill passes and decode graphs with layers streamed
-#     against every weight resident, bit for bit, on random weights;
+#     against every weight resident, bit for bit, on random weights (and with hybrid among
+#     RESIDENCIES, the *_hybrid_near_all tests: host layers on the CPU engine, cosine >= 0.9999);
 # (1) the same on a real-shape archive through the CLI: `thin logits` (128 prompt ids, then 64
 #     teacher-forced) with --residency all, and with --residency stream under each --gpu-mem,
 #     compared byte for byte: one JSON line per case into $OUT/stream_logits.jsonl;
-# (2) speed: `thin bench` with --residency stream at each --gpu-mem and all-resident, interleaved
-#     per round; each row carries residency, gpu_mem_limit, streamed_bytes_per_token, link_gbps
-#     (pinned host-to-device, measured in the same run with the ring's own copies),
-#     link_bound_tok_s and link_bound_fraction. Rows into $OUT/stream.jsonl, a table at the end;
+# (2) speed: `thin bench` with each of RESIDENCIES (default "stream"; "stream hybrid" adds
+#     --residency hybrid: the layers that do not fit split between the link and the CPU engine) at
+#     each --gpu-mem and all-resident, interleaved per round; each row carries residency,
+#     gpu_mem_limit, streamed_bytes_per_token, link_gbps (pinned host-to-device, measured in the
+#     same run with the ring's own copies), link_bound_tok_s and link_bound_fraction, and with
+#     hybrid host_bytes_per_token, host_gb_s (the CPU engine's rate, measured at load) and
+#     hybrid_bound_tok_s/_fraction. Rows into $OUT/stream.jsonl, a table at the end;
 # (3) the HF peer at each --gpu-mem on the same bf16 weights (bench/hf_peer.py offload:
 #     device_map="auto", max_memory) into $OUT/stream_hf.jsonl (NO_HF=1 leaves it out);
 # (4) llama.cpp's llama-bench with -ngl chosen for each --gpu-mem, on a GGUF of the same shapes
@@ -25,6 +29,7 @@ BIN=${THIN_BIN:-.bin/thin}
 MODELS=${MODELS:-"smollm3-3b"}
 PROFILES=${PROFILES:-"bf16 fp8"}
 GPU_MEMS=${GPU_MEMS:-"2GiB 4GiB"}
+RESIDENCIES=${RESIDENCIES:-"stream"}
 ROUNDS=${ROUNDS:-2}
 BENCH_ARGS=${BENCH_ARGS:-"--steps 64 --warmup 4 --reps 2 --pp 128 --tg 32"}
 W=${WORK:-/tmp/thin-bench}
@@ -33,6 +38,9 @@ export PYTHONUNBUFFERED=1 THIN_CACHE_DIR=$W/cache
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ -x "${KERNEL_TESTS:-.bin/cuda_kernels}" ]; then
   "${KERNEL_TESTS:-.bin/cuda_kernels}" stream_equals_all --test-threads=1 --nocapture 2>&1 | grep -E "streamed|skipped|FAIL|panicked|test result" | tee "$OUT/stream_kernel_tests.txt"
+  case " $RESIDENCIES " in *" hybrid "*)
+    "${KERNEL_TESTS:-.bin/cuda_kernels}" hybrid_near_all --test-threads=1 --nocapture 2>&1 | grep -E "on the host|skipped|FAIL|panicked|test result" | tee -a "$OUT/stream_kernel_tests.txt" ;;
+  esac
 fi
 python3 bench/make_models.py "$W/hf" $MODELS 2>&1 | grep -v Warning | grep made
 python3 -c "import random, json; random.seed(7); print(json.dumps([random.randrange(1000) for _ in range(192)]))" > "$W/stream_ids.json"
@@ -68,7 +76,9 @@ PY
       [ -f "$a" ] || continue
       "$BIN" bench "$a" --json --residency all $BENCH_ARGS >> "$OUT/stream.jsonl" || echo "$m $p all: bench failed"
       for g in $GPU_MEMS; do
-        "$BIN" bench "$a" --json --residency stream --gpu-mem "$g" $BENCH_ARGS >> "$OUT/stream.jsonl" || echo "$m $p $g: bench failed"
+        for r in $RESIDENCIES; do
+          "$BIN" bench "$a" --json --residency "$r" --gpu-mem "$g" $BENCH_ARGS >> "$OUT/stream.jsonl" || echo "$m $p $g $r: bench failed"
+        done
       done
     done
   done
@@ -129,14 +139,17 @@ fi
 [ "${PREP:-0}" = 1 ] && { echo "prepared: $(ls "$W" | tr '\n' ' ')"; exit 0; }
 python3 - "$OUT/stream.jsonl" "$OUT/stream_hf.jsonl" <<'PY'
 import json, os, sys
-print('%-12s %-6s %-9s %8s %10s %12s %9s %10s %8s %9s' % ('model', 'prof', 'gpu_mem', 'streamed', 'MB/token', 'decode tok/s', 'link GB/s', 'bound t/s', '% bound', 'peak GiB'))
+print('%-12s %-6s %-7s %-9s %8s %5s %10s %12s %9s %8s %10s %8s %9s' % ('model', 'prof', 'resid', 'gpu_mem', 'streamed', 'host', 'MB/token', 'decode tok/s', 'link GB/s', 'CPU GB/s', 'bound t/s', '% bound', 'peak GiB'))
 for l in open(sys.argv[1]):
     r = json.loads(l)
     p = r.get('plan') or {}
     g = r.get('gpu_mem_limit')
-    print('%-12s %-6s %-9s %8s %10.1f %12.2f %9s %10s %8s %9.3f' % (r['model'], r['profile'], '%.2fGiB' % (g / 2**30) if g else '-', len(p.get('streamed_layers', [])),
-          (r.get('streamed_bytes_per_token') or 0) / 1e6, r['decode_tok_s'], '%.1f' % r['link_gbps'] if r.get('link_gbps') else '-',
-          '%.2f' % r['link_bound_tok_s'] if r.get('link_bound_tok_s') else '-', '%.1f' % (100 * r['link_bound_fraction']) if r.get('link_bound_fraction') else '-', r.get('peak_gib') or 0))
+    hy = r.get('hybrid_bound_tok_s') is not None
+    bound, frac = (r.get('hybrid_bound_tok_s'), r.get('hybrid_bound_fraction')) if hy else (r.get('link_bound_tok_s'), r.get('link_bound_fraction'))
+    print('%-12s %-6s %-7s %-9s %8s %5s %10.1f %12.2f %9s %8s %10s %8s %9.3f' % (r['model'], r['profile'], r.get('residency') or '-', '%.2fGiB' % (g / 2**30) if g else '-',
+          len(p.get('streamed_layers', [])), len(p.get('host_layers', [])),
+          ((r.get('streamed_bytes_per_token') or 0) + (r.get('host_bytes_per_token') or 0)) / 1e6, r['decode_tok_s'], '%.1f' % r['link_gbps'] if r.get('link_gbps') else '-',
+          '%.1f' % r['host_gb_s'] if r.get('host_gb_s') else '-', '%.2f' % bound if bound else '-', '%.1f' % (100 * frac) if frac else '-', r.get('peak_gib') or 0))
 for l in open(sys.argv[2]) if os.path.exists(sys.argv[2]) else []:
     r = json.loads(l)
     print('%-12s %-6s %-9s %8s %10s %12s   HF device_map="auto" %s' % (r['model'], 'hf', r['gpu_mem_limit'], '', '', r.get('tok_s', '-'), r.get('error') or r.get('device_map_modules')))

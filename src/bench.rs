@@ -130,6 +130,15 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     let streamed_bytes = session_streamed_bytes(plan.as_ref());
     let link_gbps = if streamed_bytes > 0 { e.host_link_gb_s() } else { None };
     let link_bound = link_gbps.map(|g| g * 1e9 / streamed_bytes as f64);
+    // Hybrid: the CPU engine's layers beside the streamed ones. The CPU's rate is the one the plan
+    // measured at load; the link's is measured now. The step takes the longer of the two.
+    let plan_u64 = |k: &str| plan.as_ref().and_then(|p| p.get(k)).and_then(|v| v.as_u64()).unwrap_or(0);
+    let host_bytes = plan_u64("host_bytes_per_token");
+    let host_gb_s = plan.as_ref().and_then(|p| p["host_rate"]["gb_s"].as_f64()).filter(|_| host_bytes > 0);
+    let hybrid_bound = host_gb_s.map(|h| {
+        let link_s = link_gbps.map_or(0.0, |g| streamed_bytes as f64 / (g * 1e9));
+        1.0 / link_s.max(host_bytes as f64 / (h * 1e9))
+    });
     let rec = json!({
         "model": name,
         "profile": profile,
@@ -154,13 +163,17 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
         "cold_start_to_first_token_s": first_token_s,
         "pages_verified": !opts.no_verify,
         "load": e.load_stats(),
-        "residency": plan.as_ref().and_then(|p| p.get("decision")).map(|d| if d == "stream" { "stream" } else { "all" }),
+        "residency": plan.as_ref().and_then(|p| p.get("decision")).and_then(|d| d.as_str()).map(|d| if d == "stream" || d == "hybrid" { d } else { "all" }),
         "residency_flag": opts.residency.name(),
         "gpu_mem_limit": opts.gpu_mem,
         "streamed_bytes_per_token": streamed_bytes,
         "link_gbps": link_gbps,
         "link_bound_tok_s": link_bound,
         "link_bound_fraction": link_bound.map(|b| (1000.0 * decode_tok_s / b).round() / 1000.0),
+        "host_bytes_per_token": host_bytes,
+        "host_gb_s": host_gb_s,
+        "hybrid_bound_tok_s": hybrid_bound,
+        "hybrid_bound_fraction": hybrid_bound.map(|b| (1000.0 * decode_tok_s / b).round() / 1000.0),
         "plan": plan,
         "kernels": kernels,
         "timeline": timeline,

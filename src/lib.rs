@@ -25,7 +25,7 @@ use thin_core::tokenizer::{ChatMessage, TextTokenizer, TokenizerError};
 
 pub use thin_core::cuda::CudaOptions;
 pub use thin_core::format::PagesChecked;
-pub use thin_core::residency::{Budget, Link, LinkSource, Residency, ResidencyError, ResidencyPlan};
+pub use thin_core::residency::{Budget, HostRate, Link, LinkSource, Residency, ResidencyError, ResidencyPlan};
 
 /// What a token callback may fail with (its own I/O, a closed connection).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -141,7 +141,15 @@ impl Default for Options {
 /// engine compiled in for its arch, the archive's tensor sizes and pages,
 /// [`thin_core::residency::plan`]; a plan that streams is checked against the decode step's and
 /// prefill's launch order ([`thin_core::cuda::plan::ring_uses`]) as the runtime will stage it.
+///
+/// `hybrid` measures the CPU engine's rate on the archive first ([`host_rate`]).
 pub fn residency_plan(archive: &Archive, ctx: usize, budget: Budget, link: Link, residency: Residency) -> Result<ResidencyPlan, Error> {
+    let host = if residency == Residency::Hybrid { host_rate(archive)? } else { HostRate::default() };
+    residency_plan_with_host(archive, ctx, budget, link, host, residency)
+}
+
+/// [`residency_plan`] with the CPU engine's rate given.
+pub fn residency_plan_with_host(archive: &Archive, ctx: usize, budget: Budget, link: Link, host: HostRate, residency: Residency) -> Result<ResidencyPlan, Error> {
     let m = archive.manifest();
     if ctx as u64 > m.arch.max_position_embeddings {
         return Err(Error::CtxAboveModel { ctx, model_max: m.arch.max_position_embeddings });
@@ -151,9 +159,48 @@ pub fn residency_plan(archive: &Archive, ctx: usize, budget: Budget, link: Link,
     let layout = thin_core::cuda::plan::Layout::new(&arch, ctx, thin_core::cuda::PREFILL_ROWS.min(ctx), &|(r, l)| m.tensor(r, l).map(|t| t.dtype), 1)
         .map_err(|e| Error::Cuda(e.to_string()))?;
     let demand = thin_core::residency::Demand::of(m, &layout)?;
-    let plan = thin_core::residency::plan(&demand, budget, link, residency)?;
+    let plan = thin_core::residency::plan_with_host(&demand, budget, link, host, residency)?;
     check_ring_order(&arch, &plan.streamed_layers, plan.ring_slots)?;
+    if !plan.host_layers.is_empty() {
+        let max_seq = thin_generated::cpu_max_seq(&m.shape_fingerprint).unwrap_or(0);
+        if ctx > max_seq {
+            return Err(Error::CtxAboveEngine { ctx, arch: thin_generated::arch_name(&m.shape_fingerprint).unwrap_or("?"), max_seq, model_max: m.arch.max_position_embeddings });
+        }
+    }
     Ok(plan)
+}
+
+/// How fast this machine's CPU engine computes a layer kept on the host: its own matvecs over
+/// the archive's last layer, every matrix in its stored type, on the thread pool, best of three
+/// passes (the first also faults the pages in), as that layer's bytes a second. Embeddings and
+/// norms are left out, as the plan leaves them on the device. (A MoE layer's matvec here reads
+/// every expert, where a step reads its top-k: the rate is per byte read either way.)
+pub fn host_rate(archive: &Archive) -> Result<HostRate, Error> {
+    use thin_core::engine::Weights;
+    let m = archive.manifest();
+    let last = m.arch.dims.num_layers.saturating_sub(1) as u32;
+    let mut jobs = Vec::new();
+    for t in m.tensors.iter().filter(|t| t.layer == Some(last) && !t.role.is_norm() && t.shape.len() >= 2) {
+        let (role, layer) = (t.role, t.layer);
+        let h = archive.find(role, layer).ok_or(EngineError::MissingWeight { role, layer })?;
+        let view = archive.try_at(h).map_err(|reason| EngineError::BadWeight { role, layer, reason })?;
+        let cols = *t.shape.last().unwrap_or(&1) as usize;
+        let rows = (t.shape.iter().product::<u64>() as usize) / cols.max(1);
+        jobs.push((view, vec![0.5f32 / cols as f32; cols], vec![0f32; rows], t.byte_len));
+    }
+    let bytes: u64 = jobs.iter().map(|j| j.3).sum();
+    if bytes == 0 {
+        return Err(Error::Unsupported("the archive's last layer has no matrices to time the CPU engine on"));
+    }
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        for (view, x, out, _) in jobs.iter_mut() {
+            thin_core::cpu::matvec(*view, x, out);
+        }
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(HostRate { gb_s: bytes as f64 / best / 1e9, source: LinkSource::Measured })
 }
 
 /// The decode step and a prefill pass can stage `streamed` through a ring of `slots` (as the
@@ -293,7 +340,7 @@ impl LoadedEngine for thin_core::cuda::runtime::CudaEngine {
 /// it streams are staged from host memory. A plan that cannot run is refused before the engine
 /// allocates anything. The plan's line goes to stderr with progress on.
 #[cfg(feature = "cuda")]
-fn open_cuda(archive: &Archive, opts: &CudaOptions, gpu_mem: Option<u64>, residency: Residency) -> Result<(Box<dyn LoadedEngine>, ResidencyPlan), Error> {
+fn open_cuda(archive: &Arc<Archive>, opts: &CudaOptions, gpu_mem: Option<u64>, residency: Residency) -> Result<(Box<dyn LoadedEngine>, ResidencyPlan), Error> {
     let arch = cuda_arch(archive.manifest())?;
     // Held until the engine has its buffers: the engine opens the same primary context.
     let (free, _ctx) = thin_core::cuda::free_device_bytes().map_err(Error::Cuda)?;
@@ -301,13 +348,14 @@ fn open_cuda(archive: &Archive, opts: &CudaOptions, gpu_mem: Option<u64>, reside
     if opts.progress {
         eprintln!("{}", plan.one_line());
     }
-    let opts = CudaOptions { streamed_layers: plan.streamed_layers.clone(), ..opts.clone() };
-    let e = thin_core::cuda::runtime::CudaEngine::new(archive, &arch, &opts).map_err(|e| Error::Cuda(e.to_string()))?;
+    let opts = CudaOptions { streamed_layers: plan.streamed_layers.clone(), host_layers: plan.host_layers.clone(), ..opts.clone() };
+    let host = if plan.host_layers.is_empty() { None } else { Some(thin_generated::open_host_layers(archive.clone())?) };
+    let e = thin_core::cuda::runtime::CudaEngine::new(archive, &arch, &opts, host).map_err(|e| Error::Cuda(e.to_string()))?;
     Ok((Box::new(e), plan))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn open_cuda(_archive: &Archive, _opts: &CudaOptions, _gpu_mem: Option<u64>, _residency: Residency) -> Result<(Box<dyn LoadedEngine>, ResidencyPlan), Error> {
+fn open_cuda(_archive: &Arc<Archive>, _opts: &CudaOptions, _gpu_mem: Option<u64>, _residency: Residency) -> Result<(Box<dyn LoadedEngine>, ResidencyPlan), Error> {
     Err(Error::NoCudaBuild)
 }
 
@@ -364,7 +412,7 @@ pub fn open_with(path: &Path, opts: &Options, integrity: Integrity) -> Result<Se
         Some(ctx) => ctx,
         None => DEFAULT_CTX.min(model_max as usize),
     };
-    let cuda = CudaOptions { ctx, progress: opts.progress, timeline: opts.timeline, streamed_layers: Vec::new() };
+    let cuda = CudaOptions { ctx, progress: opts.progress, timeline: opts.timeline, ..CudaOptions::new(ctx) };
     let cpu = |a: Arc<Archive>| -> Result<Box<dyn LoadedEngine>, Error> {
         let model_max = a.manifest().arch.max_position_embeddings;
         let fingerprint = a.manifest().shape_fingerprint.clone();

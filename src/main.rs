@@ -40,7 +40,7 @@ pub(crate) fn parse_gpu_mem(s: &str) -> Result<u64, String> {
     thin_core::residency::parse_size(s).map_err(|e| e.to_string())
 }
 
-/// `--residency all|stream|auto`, checked as clap parses it.
+/// `--residency all|stream|auto|hybrid`, checked as clap parses it.
 pub(crate) fn parse_residency(s: &str) -> Result<thin::Residency, String> {
     s.parse()
 }
@@ -95,10 +95,15 @@ enum Command {
         /// Host-to-device bandwidth for the tok/s bound [default: 50, assumed for PCIe Gen5 x16].
         #[arg(long, value_name = "GB/S", value_parser = plan::parse_link_gb_s)]
         link_gb_s: Option<f64>,
+        /// The CPU engine's rate for `--residency hybrid`, GB of weights a second [default:
+        /// measured here on the archive's last layer].
+        #[arg(long, value_name = "GB/S", value_parser = plan::parse_link_gb_s)]
+        host_gb_s: Option<f64>,
         /// all: every weight on the device or refused; stream: the layers that do not fit stream
         /// from host memory; auto: all when it fits with 1 GiB of the free memory to spare
-        /// (none kept back from a given --gpu-mem), else as stream.
-        #[arg(long, value_name = "all|stream|auto", default_value = "auto", value_parser = parse_residency)]
+        /// (none kept back from a given --gpu-mem), else as stream; hybrid: the layers that do not
+        /// fit split between streaming and the CPU engine (their KV cache in host memory).
+        #[arg(long, value_name = "all|stream|auto|hybrid", default_value = "auto", value_parser = parse_residency)]
         residency: thin::Residency,
         /// One JSON object instead of the table.
         #[arg(long)]
@@ -145,8 +150,9 @@ enum Command {
         gpu_mem: Option<u64>,
         /// all: every weight on the device or refused; stream: the layers that do not fit stream
         /// from host memory; auto: all when it fits with 1 GiB of the free memory to spare, else
-        /// as stream.
-        #[arg(long, value_name = "all|stream|auto", default_value = "auto", value_parser = parse_residency)]
+        /// as stream; hybrid: the layers that do not fit split between streaming and the CPU
+        /// engine (their KV cache in host memory).
+        #[arg(long, value_name = "all|stream|auto|hybrid", default_value = "auto", value_parser = parse_residency)]
         residency: thin::Residency,
     },
     /// Teacher-forced logits of the GPU engine over given ids, as raw f32 rows (for fidelity checks).
@@ -170,7 +176,7 @@ enum Command {
         gpu_mem: Option<u64>,
         /// Where the weights live (as for `run`): `stream` under a --gpu-mem gives the logits of
         /// streamed layers, to compare with `all` bit for bit.
-        #[arg(long, value_name = "all|stream|auto", default_value = "auto", value_parser = parse_residency)]
+        #[arg(long, value_name = "all|stream|auto|hybrid", default_value = "auto", value_parser = parse_residency)]
         residency: thin::Residency,
     },
     /// Generate text from an archive with the engine compiled in for its architecture.
@@ -288,7 +294,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Bench { file, backend, ctx, warmup, steps, pp, tg, reps, json, profile, timeline, no_verify, gpu_mem, residency } => {
             bench::bench(&file, &bench::BenchOptions { backend, ctx, warmup, steps, pp, tg, reps, json, profile, timeline, no_verify, gpu_mem, residency })
         }
-        Command::Plan { file, gpu_mem, ctx, link_gb_s, json, residency } => plan::plan(&file, &plan::PlanOptions { gpu_mem, ctx, link_gb_s, json, residency }),
+        Command::Plan { file, gpu_mem, ctx, link_gb_s, host_gb_s, json, residency } => plan::plan(&file, &plan::PlanOptions { gpu_mem, ctx, link_gb_s, host_gb_s, json, residency }),
         Command::Logits { file, ids, prompt_len, out, ctx, cpu, gpu_mem, residency } => {
             let backend = if cpu { thin::Backend::Cpu } else { thin::Backend::Cuda };
             bench::logits(&file, &ids, prompt_len, &out, &thin::Options { backend, ctx: Some(ctx), gpu_mem, residency, ..Default::default() })

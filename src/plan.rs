@@ -4,13 +4,15 @@
 use std::path::Path;
 
 use anyhow::Context;
-use thin::{Budget, Link, LinkSource, ResidencyError};
+use thin::{Budget, HostRate, Link, LinkSource, Residency, ResidencyError};
 use thin_core::format::Archive;
 
 pub struct PlanOptions {
     pub gpu_mem: Option<u64>,
     pub ctx: Option<usize>,
     pub link_gb_s: Option<f64>,
+    /// The CPU engine's rate for `hybrid` (measured when not given).
+    pub host_gb_s: Option<f64>,
     pub json: bool,
     pub residency: thin::Residency,
 }
@@ -30,7 +32,12 @@ pub fn plan(file: &Path, opts: &PlanOptions) -> anyhow::Result<()> {
     let budget = Budget { gpu_mem: opts.gpu_mem, free: thin::free_device_bytes() };
     let link = opts.link_gb_s.map_or_else(Link::default, |gb_s| Link { gb_s, source: LinkSource::Given });
     let arch = thin_generated::arch_name(&m.shape_fingerprint).unwrap_or("?");
-    let (plan, refusal) = match thin::residency_plan(&a, ctx, budget, link, opts.residency) {
+    let host = match (opts.host_gb_s, opts.residency) {
+        (Some(gb_s), _) => HostRate { gb_s, source: LinkSource::Given },
+        (None, Residency::Hybrid) => thin::host_rate(&a).with_context(|| format!("timing the CPU engine on {}", file.display()))?,
+        (None, _) => HostRate::default(),
+    };
+    let (plan, refusal) = match thin::residency_plan_with_host(&a, ctx, budget, link, host, opts.residency) {
         Ok(p) => (p, None),
         Err(thin::Error::Residency(e @ ResidencyError::DoesNotFit { .. })) => {
             let ResidencyError::DoesNotFit { plan, .. } = &e else { unreachable!() };

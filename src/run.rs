@@ -74,8 +74,9 @@ pub struct RunControl {
     pub gpu_mem: Option<u64>,
     /// all: every weight on the GPU or refused; stream: the layers that do not fit stream from
     /// host memory each token; auto: all when it fits with 1 GiB of the free memory to spare
-    /// (none kept back from a given --gpu-mem), else as stream.
-    #[arg(long, value_name = "all|stream|auto", default_value = "auto", value_parser = crate::parse_residency)]
+    /// (none kept back from a given --gpu-mem), else as stream; hybrid: the layers that do not fit
+    /// split between streaming and the CPU engine (their KV cache in host memory).
+    #[arg(long, value_name = "all|stream|auto|hybrid", default_value = "auto", value_parser = crate::parse_residency)]
     pub residency: thin::Residency,
 }
 

@@ -1640,3 +1640,99 @@ fn smollm3_3b_stream_equals_all() {
 fn gemma3_270m_stream_equals_all() {
     stream_equals_all_for(thin_generated::gemma3_270m::cuda::arch().expect("a CUDA schedule"));
 }
+
+/// `--residency hybrid`: layers the CPU engine computes (their matrices never uploaded, their KV
+/// cache the CPU engine's) and a streamed one beside them change where a layer is computed, not
+/// what: from the same random bf16 weights (the CPU engine reads them widened to f32, exactly), an
+/// engine with every odd layer on the host and the last even layer streamed prefills a 300-token
+/// prompt (a prefill pass whose host layers run on the CPU), then takes 16 decode steps
+/// teacher-forced on the all-resident engine's argmax; every logit row is within cosine 0.9999 of
+/// the all-resident engine's. The host layers' matrices must be off the device. Only runs on a
+/// device; passes with "skipped" without one.
+fn hybrid_near_all(a: CudaArch, open_host: fn(thin_core::engine::MemWeights) -> Result<Box<dyn thin_core::engine::HostLayers + Send>, thin_core::engine::EngineError>) {
+    const CTX_HYBRID: usize = 1024;
+    let _gpu = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    let seed = a.arch.bytes().fold(0x6879_6272_6964_u64, |s, b| mix(s ^ b as u64));
+    let w = RandomWeights::new(&a, seed, Mix::Bf16);
+    let layers = a.dims.num_layers as u32;
+    let vocab = a.dims.vocab_size as usize;
+    let prompt: Vec<u32> = (0..300u64).map(|i| ((i * 7919 + 13) % vocab as u64) as u32).collect();
+    let mut all = match CudaEngine::with_weights(&w, &a, &CudaOptions::new(CTX_HYBRID)) {
+        Ok(e) => e,
+        Err(CudaError::NoDriver) => {
+            println!("{}: skipped: no CUDA driver", a.arch);
+            return;
+        }
+        Err(err) => panic!("{}: bringing up the all-resident engine: {err}", a.arch),
+    };
+    let mut want = vec![all.prefill(&prompt).expect("prefill").to_vec()];
+    for _ in 0..16 {
+        let next = thin_core::sampler::argmax(want.last().expect("a row"));
+        want.push(all.decode_step(next).expect("decode step").to_vec());
+    }
+    let all_weight_bytes = all.stats.weight_bytes;
+    drop(all);
+
+    let mut mem = thin_core::engine::MemWeights::default();
+    for &role in w.rows.keys() {
+        if role.is_per_layer() {
+            for l in 0..layers {
+                mem.tensors.insert((role, Some(l)), w.f32(role, Some(l)));
+            }
+        } else {
+            mem.tensors.insert((role, None), w.f32(role, None));
+        }
+    }
+    let host_layers: Vec<u32> = (1..layers).step_by(2).collect();
+    let streamed = vec![(layers - 1) & !1];
+    let opts = CudaOptions { host_layers: host_layers.clone(), streamed_layers: streamed.clone(), ..CudaOptions::new(CTX_HYBRID) };
+    let host = open_host(mem).expect("the CPU engine binds the same weights");
+    let mut e = CudaEngine::with_host(&w, &a, &opts, Some(host)).unwrap_or_else(|err| panic!("{}: bringing up the hybrid engine: {err}", a.arch));
+    assert_eq!(e.stats.host_layers, host_layers);
+    let host_matrices: usize = a
+        .schedule
+        .weights()
+        .into_iter()
+        .filter(|(r, l)| !r.is_norm() && l.is_some_and(|l| host_layers.contains(&l)))
+        .map(|(r, l)| w.bytes(r, l).expect("bytes").len().div_ceil(thin_core::cuda::plan::ALIGN) * thin_core::cuda::plan::ALIGN)
+        .sum();
+    let streamed_matrices = e.stats.pinned_host_bytes;
+    assert_eq!(e.stats.weight_bytes, all_weight_bytes - host_matrices - streamed_matrices, "{}: the host layers' matrices stay off the device", a.arch);
+    let mut got = vec![e.prefill(&prompt).expect("hybrid prefill").to_vec()];
+    for i in 0..16 {
+        let next = thin_core::sampler::argmax(&want[i]);
+        got.push(e.decode_step(next).expect("hybrid decode step").to_vec());
+    }
+    let cos = |a: &[f32], b: &[f32]| {
+        let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+        let n = |v: &[f32]| v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+        dot / (n(a) * n(b))
+    };
+    let mut worst = 1.0f64;
+    let mut top1 = 0;
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        let c = cos(g, w);
+        worst = worst.min(c);
+        top1 += (thin_core::sampler::argmax(g) == thin_core::sampler::argmax(w)) as usize;
+        assert!(c >= 0.9999, "{}: row {i} (0: prefill) cosine {c} against all resident", a.arch);
+    }
+    println!("{}: layers {host_layers:?} on the host, {streamed:?} streamed: {} rows, min cosine {worst:.7}, top-1 {top1}/{}", a.arch, got.len(), got.len());
+}
+
+#[cfg(feature = "smollm2-135m")]
+#[test]
+fn smollm2_135m_hybrid_near_all() {
+    hybrid_near_all(thin_generated::smollm2_135m::cuda::arch().expect("a CUDA schedule"), |w| Ok(Box::new(thin_generated::smollm2_135m::Engine::new(w)?)));
+}
+
+#[cfg(feature = "gemma3-270m")]
+#[test]
+fn gemma3_270m_hybrid_near_all() {
+    hybrid_near_all(thin_generated::gemma3_270m::cuda::arch().expect("a CUDA schedule"), |w| Ok(Box::new(thin_generated::gemma3_270m::Engine::new(w)?)));
+}
+
+#[cfg(feature = "llama3.2-1b")]
+#[test]
+fn llama3_2_1b_hybrid_near_all() {
+    hybrid_near_all(thin_generated::llama3_2_1b::cuda::arch().expect("a CUDA schedule"), |w| Ok(Box::new(thin_generated::llama3_2_1b::Engine::new(w)?)));
+}

@@ -189,7 +189,7 @@ fn gpu_mem_and_residency_refuse_hostile_values() {
             let o = thin(&args);
             let err = String::from_utf8_lossy(&o.stderr);
             assert_eq!(o.status.code(), Some(2), "{cmd:?} {flag}: {err}");
-            assert!(err.contains("--residency") && err.contains("all, stream or auto"), "{cmd:?} {flag}: {err}");
+            assert!(err.contains("--residency") && err.contains("all, stream, auto or hybrid"), "{cmd:?} {flag}: {err}");
         }
     }
 }
@@ -215,4 +215,38 @@ fn every_compiled_schedule_admits_the_ring() {
         checked.push(k.name);
     }
     assert!(checked.contains(&"gemma3-tiny") && checked.contains(&"smollm2-135m"), "{checked:?}");
+}
+
+// llama-tiny under --residency hybrid (numbers as in plan_json_of_llama_tiny: layers of 73728
+// bytes, KV 32768 a layer at ctx 256). With one byte less than all resident, one layer leaves the
+// device: streaming it would need a ring slot as large as the layer (no saving), so it goes to the
+// CPU, and its 32768 bytes of KV with it. With the link at 1 GB/s and the CPU at 2, the bound is
+// the CPU's 2e9 / 73728 = 27126.6 tok/s.
+#[test]
+fn plan_hybrid_of_llama_tiny() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let a = convert("llama-tiny", tmp.path());
+    let (_, all) = plan_json(&a, &["--gpu-mem", "1GiB"]);
+    let all_bytes = all["all_resident_bytes"].as_u64().expect("all resident");
+    let budget = format!("{}", all_bytes - 1);
+    let (o, v) = plan_json(&a, &["--gpu-mem", &budget, "--residency", "hybrid", "--link-gb-s", "1", "--host-gb-s", "2"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!((v["decision"].as_str(), v["residency"].as_str()), (Some("hybrid"), Some("hybrid")));
+    assert_eq!((v["resident_layers"].clone(), v["host_layers"].clone(), v["streamed_layers"].clone()), (serde_json::json!([0]), serde_json::json!([1]), serde_json::json!([])));
+    assert_eq!((v["host_bytes_per_token"].as_u64(), v["kv_bytes"].as_u64(), v["host_kv_bytes"].as_u64()), (Some(73728), Some(32768), Some(2 * 32768)));
+    assert_eq!(v["device_bytes"].as_u64(), Some(all_bytes - 73728 - 32768));
+    assert_eq!((v["host_rate"]["gb_s"].as_f64(), v["host_rate"]["source"].as_str()), (Some(2.0), Some("given")));
+    assert!((v["bound_tok_s"].as_f64().expect("bound") - 2e9 / 73728.0).abs() < 1e-6, "{}", v["bound_tok_s"]);
+    let placed: Vec<&str> = v["tensors"].as_array().expect("tensors").iter().filter(|t| t["layer"] == 1).map(|t| t["placement"].as_str().expect("placement")).collect();
+    assert!(placed.contains(&"host") && placed.contains(&"resident"), "layer 1's matrices on the host, its norms resident: {placed:?}");
+    // The table says the same; the CPU rate measured here when none is given.
+    let o = thin(&["plan", a.to_str().expect("utf8"), "--gpu-mem", &budget, "--residency", "hybrid"]);
+    let table = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && table.contains("1 of 2 layers on the CPU (layers 1;") && table.contains("measured"), "{table}");
+    // Below every layer on the CPU: refused with that smallest budget.
+    let least = all_bytes - 2 * 73728 - 2 * 32768;
+    let (o, v) = plan_json(&a, &["--gpu-mem", &format!("{}", least - 1), "--residency", "hybrid", "--host-gb-s", "2"]);
+    assert!(!o.status.success() && v["fits"] == false, "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(v["min_stream_bytes"].as_u64(), Some(least));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("every layer on the CPU"), "{}", String::from_utf8_lossy(&o.stderr));
 }

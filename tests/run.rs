@@ -352,3 +352,63 @@ fn an_archive_of_f32_and_bf16_tensors_runs() {
     let (d_bf16, d_mixed) = (dist(&bf16, &f32), dist(&mixed, &f32));
     assert!(d_mixed > 0.0 && d_mixed < d_bf16, "max |Δ| from the f32 archive: mixed {d_mixed}, bf16 {d_bf16}");
 }
+
+/// `--residency hybrid` computes some layers on the CPU engine one at a time
+/// (`thin_core::engine::HostLayers`): each tiny family's engine run layer by layer (the prompt
+/// through `layer_prompt`, then a decode step through `layer_step`), from the embedding, leaves
+/// the residual stream bit for bit where the whole engine's own prefill and decode step leave it.
+/// Bad layer indices and row shapes are typed errors.
+#[test]
+fn host_layers_equal_the_whole_engine() {
+    use thin_core::engine::{EngineError, HostLayers, Weights};
+    use thin_core::role::Role;
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let prompt = [1u32, 7, 42, 200, 3];
+    let next = 9u32;
+    macro_rules! check {
+        ($m:ident, $math:ident, $name:expr) => {{
+            let path = convert($name, tmp.path());
+            let open = || Archive::open(&path).expect("open");
+            let mut whole = thin_generated::$m::Engine::new(open()).expect("bind");
+            whole.prefill(&prompt).expect("prefill");
+            let after_prompt = whole.residual().to_vec();
+            whole.decode_step(next).expect("decode");
+            let after_step = whole.residual().to_vec();
+
+            let archive = open();
+            let hidden = archive.manifest().arch.dims.hidden_size as usize;
+            let table = archive.at(archive.find(Role::TokenEmbd, None).expect("embedding"));
+            let scale = thin_generated::$math.embedding_scale as f32;
+            let embed = |t: u32, out: &mut [f32]| thin_core::cpu::embedding(table, t as usize, hidden, scale, out);
+            let mut layers = thin_generated::$m::Engine::new(open()).expect("bind");
+            let n = HostLayers::num_layers(&layers);
+            let mut rows = vec![0f32; prompt.len() * hidden];
+            for (t, row) in prompt.iter().zip(rows.chunks_exact_mut(hidden)) {
+                embed(*t, row);
+            }
+            for l in 0..n {
+                layers.layer_prompt(l, &mut rows, 0).expect("a prompt layer");
+            }
+            let last = &rows[(prompt.len() - 1) * hidden..];
+            assert!(last.iter().zip(&after_prompt).all(|(a, b)| a.to_bits() == b.to_bits()), "{}: the prompt's last row differs", $name);
+            let mut x = vec![0f32; hidden];
+            embed(next, &mut x);
+            for l in 0..n {
+                layers.layer_step(l, &mut x, prompt.len()).expect("a decode layer");
+            }
+            assert!(x.iter().zip(&after_step).all(|(a, b)| a.to_bits() == b.to_bits()), "{}: the decode step's residual differs", $name);
+            assert!(matches!(layers.layer_step(n, &mut x, 0), Err(EngineError::NoSuchLayer { layer, layers }) if layer == n && layers == n));
+            assert!(matches!(layers.layer_step(0, &mut x[..hidden - 1], 0), Err(EngineError::RowShape { .. })));
+            assert!(matches!(layers.layer_prompt(0, &mut rows[..hidden + 1], 0), Err(EngineError::RowShape { .. })));
+            assert!(matches!(layers.layer_step(0, &mut x, layers.max_seq()), Err(EngineError::ContextFull { .. })));
+            n
+        }};
+    }
+    let counted = [
+        check!(llama_tiny, LLAMA_TINY_MATH, "llama-tiny"),
+        check!(smollm3_tiny, SMOLLM3_TINY_MATH, "smollm3-tiny"),
+        check!(gemma3_tiny, GEMMA3_TINY_MATH, "gemma3-tiny"),
+        check!(olmoe_tiny, OLMOE_TINY_MATH, "olmoe-tiny"),
+    ];
+    assert!(counted.iter().all(|&n| n >= 2), "{counted:?}");
+}

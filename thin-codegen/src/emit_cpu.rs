@@ -347,6 +347,8 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
     let mut layer_fns = Vec::new();
     let mut layer_calls = Vec::new();
     let mut batch_calls = Vec::new();
+    let mut step_arms = Vec::new();
+    let mut prompt_arms = Vec::new();
     let prologue_b: Vec<_> = plan.prologue.iter().map(|o| emit_op_batch(o, None, eps, &mut sl)).collect();
     for lp in &plan.layers {
         let f = format_ident!("layer_{}", lp.layer);
@@ -358,6 +360,8 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
             fn #f(w: &W, ix: &[usize], s: &mut State, pos: usize) { #(#body)* }
         });
         layer_calls.push(quote! { Self::#f(w, ix, s, pos); });
+        let li = lit_u(lp.layer);
+        step_arms.push(quote! { #li => Self::#f(w, ix, s, pos), });
         let fb = format_ident!("layer_{}_prefill", lp.layer);
         let body_b: Vec<_> = lp.ops.iter().map(|o| emit_op_batch(o, Some(lp.layer), eps, &mut sl)).collect();
         let doc_b = format!(" Layer {} over all prompt rows.", lp.layer);
@@ -367,6 +371,7 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
             fn #fb(w: &W, ix: &[usize], s: &mut State, b: &mut Batch, tokens: &[u32], pos: usize) { #(#body_b)* }
         });
         batch_calls.push(quote! { Self::#fb(w, ix, s, &mut b, tokens, pos); });
+        prompt_arms.push(quote! { #li => Self::#fb(w, ix, s, &mut b, &tokens, pos), });
     }
     let weights = sl.table();
     let nw = sl.0.len();
@@ -457,6 +462,10 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
                 Ok(Engine { w, ix, s, pos: 0 })
             }
 
+            /// The residual stream as the last step left it, after its last layer and before the
+            /// final norm (the prompt's last row after a prefill).
+            pub fn residual(&self) -> &[f32] { &self.s.x }
+
             #(#layer_fns)*
 
             fn forward(&mut self, token: u32) -> Result<(), EngineError> {
@@ -508,6 +517,45 @@ pub fn emit_rust(d: &Description, plan: &Plan) -> TokenStream {
                 Ok(&self.s.logits)
             }
             fn reset(&mut self) { self.pos = 0; }
+        }
+
+        /// One layer at a time, for a GPU engine that keeps some layers on the host.
+        impl<W: Weights> thin_core::engine::HostLayers for Engine<W> {
+            fn num_layers(&self) -> usize { consts::NUM_LAYERS }
+            fn max_seq(&self) -> usize { consts::MAX_SEQ }
+            fn layer_step(&mut self, layer: usize, x: &mut [f32], pos: usize) -> Result<(), EngineError> {
+                if x.len() != consts::HIDDEN {
+                    return Err(EngineError::RowShape { what: "a host layer's residual", got: x.len(), row: consts::HIDDEN, max_rows: 1 });
+                }
+                if pos >= consts::MAX_SEQ {
+                    return Err(EngineError::ContextFull { pos, max_seq: consts::MAX_SEQ });
+                }
+                let (w, ix, s) = (&self.w, &self.ix[..], &mut self.s);
+                s.x.copy_from_slice(x);
+                match layer {
+                    #(#step_arms)*
+                    _ => return Err(EngineError::NoSuchLayer { layer, layers: consts::NUM_LAYERS }),
+                }
+                x.copy_from_slice(&s.x);
+                Ok(())
+            }
+            fn layer_prompt(&mut self, layer: usize, x: &mut [f32], pos: usize) -> Result<(), EngineError> {
+                let rows = x.len() / consts::HIDDEN;
+                if rows == 0 || x.len() % consts::HIDDEN != 0 || pos + rows > consts::MAX_SEQ {
+                    return Err(EngineError::RowShape { what: "a host layer's prompt rows", got: x.len(), row: consts::HIDDEN, max_rows: consts::MAX_SEQ.saturating_sub(pos) });
+                }
+                let (w, ix, s) = (&self.w, &self.ix[..], &mut self.s);
+                let mut b = Batch::new(rows);
+                b.x.copy_from_slice(x);
+                // The layers read no token ids (the prologue embedded them).
+                let tokens = vec![0u32; rows];
+                match layer {
+                    #(#prompt_arms)*
+                    _ => return Err(EngineError::NoSuchLayer { layer, layers: consts::NUM_LAYERS }),
+                }
+                x.copy_from_slice(&b.x);
+                Ok(())
+            }
         }
     }
 }

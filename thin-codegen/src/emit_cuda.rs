@@ -48,7 +48,7 @@ pub fn emit_cuda_module(d: &Description, plan: &Plan, schedule: &Result<Schedule
         /// This engine on the CUDA backend: its forward pass as kernel launches, derived by
         /// thin-codegen from the same plan the CPU engine above follows.
         pub mod cuda {
-            use thin_core::cuda::plan::{Arg, Buf, CudaArch, Gemm, Grid, Launch, PlanError, RopeTable, Schedule, Step};
+            use thin_core::cuda::plan::{Arg, Buf, CudaArch, Gemm, Grid, LayerSteps, Launch, PlanError, RopeTable, Schedule, Step};
             use thin_core::role::Role;
 
             #body

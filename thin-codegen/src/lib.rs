@@ -296,7 +296,7 @@ fn emit_lib(feats: &[LibEntry]) -> String {
         let (f, family, m) = (&e.name, e.family, module_name(&e.name));
         lib += &format!(
             "    #[cfg(feature = \"{f}\")]\n    CompiledEngine {{\n        arch: {m}::ARCH,\n        family: Family::{family:?},\n        \
-             fingerprint: {m}::SHAPE_FINGERPRINT,\n        math: {c},\n        max_seq: {m}::consts::MAX_SEQ,\n        open: |a| Ok(Box::new({m}::Engine::new(a)?)),\n    }},\n",
+             fingerprint: {m}::SHAPE_FINGERPRINT,\n        math: {c},\n        max_seq: {m}::consts::MAX_SEQ,\n        open: |a| Ok(Box::new({m}::Engine::new(a)?)),\n        open_host: |a| Ok(Box::new({m}::Engine::new(a)?)),\n    }},\n",
             c = const_name(f, "MATH")
         );
     }
@@ -307,6 +307,10 @@ fn emit_lib(feats: &[LibEntry]) -> String {
             pub fn open_cpu(archive: Arc<Archive>) -> Result<Box<dyn Engine + Send>, OpenError> {\n    \
             let e = thin_core::engine::select_engine(archive.manifest(), KNOWN_ARCHS, CPU_ENGINES)?;\n    \
             Ok((e.open)(archive)?)\n}\n";
+    lib += "\n/// The same CPU engine as [`open_cpu`], as layers a GPU engine calls one at a time (`--residency hybrid`).\n\
+            pub fn open_host_layers(archive: Arc<Archive>) -> Result<Box<dyn thin_core::engine::HostLayers + Send>, OpenError> {\n    \
+            let e = thin_core::engine::select_engine(archive.manifest(), KNOWN_ARCHS, CPU_ENGINES)?;\n    \
+            Ok((e.open_host)(archive)?)\n}\n";
     lib += "\n/// Positions the KV cache of the compiled-in CPU engine with this shape fingerprint holds.\n\
             pub fn cpu_max_seq(fingerprint: &str) -> Option<usize> {\n    \
             CPU_ENGINES.iter().find(|e| e.fingerprint == fingerprint).map(|e| e.max_seq)\n}\n";

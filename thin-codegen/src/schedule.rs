@@ -5,7 +5,7 @@
 
 use proc_macro2::TokenStream;
 use quote::quote;
-use thin_core::cuda::plan::{Arg, Buf, Gemm, Grid, Launch, RopeTable, Schedule, Step, WeightRef, ATTN_WARPS, MATVEC_WARPS};
+use thin_core::cuda::plan::{Arg, Buf, Gemm, Grid, LayerSteps, Launch, RopeTable, Schedule, Step, WeightRef, ATTN_WARPS, MATVEC_WARPS};
 use thin_core::arch::ShapeDims;
 use thin_core::role::Role;
 
@@ -340,12 +340,14 @@ impl ScheduleParts {
     pub fn schedule(&self) -> Schedule {
         let mut decode = self.prologue.decode.clone();
         let mut prefill = self.prologue.prefill.clone();
+        let mut layers = Vec::new();
         for l in &self.layers {
+            layers.push(LayerSteps { decode: decode.len()..decode.len() + l.decode.len(), prefill: prefill.len()..prefill.len() + l.prefill.len() });
             decode.extend(l.decode.iter().cloned());
             prefill.extend(l.prefill.iter().cloned());
         }
         decode.extend(self.epilogue.iter().cloned());
-        Schedule { decode, prefill, epilogue: self.epilogue.clone() }
+        Schedule { decode, prefill, epilogue: self.epilogue.clone(), layers }
     }
 }
 
@@ -496,7 +498,7 @@ pub fn schedule_tokens(arch: &str, plan: &Plan, parts: &Result<ScheduleParts, Un
         }
     };
     let mut fns = vec![piece(&quote::format_ident!("prologue"), " The embedding: `x = token_embd[tok] * scale` (prefill: every prompt row).", &p.prologue)];
-    let mut calls = vec![quote!(prologue())];
+    let mut calls = vec![];
     for (lp, o) in plan.layers.iter().zip(&p.layers) {
         let f = quote::format_ident!("layer_{}", lp.layer);
         let doc = format!(" Layer {}: {:?} attention, RoPE {}.", lp.layer, lp.attention, if lp.rope { "on" } else { "off" });
@@ -507,14 +509,16 @@ pub fn schedule_tokens(arch: &str, plan: &Plan, parts: &Result<ScheduleParts, Un
     quote! {
         /// The decode step (one CUDA graph), a prefill pass and its epilogue, in launch order.
         pub fn schedule() -> Result<Schedule, PlanError> {
-            let (mut decode, mut prefill) = (Vec::new(), Vec::new());
+            let (mut decode, mut prefill) = prologue();
+            let mut layers = Vec::new();
             for (d, p) in [#(#calls),*] {
+                layers.push(LayerSteps { decode: decode.len()..decode.len() + d.len(), prefill: prefill.len()..prefill.len() + p.len() });
                 decode.extend(d);
                 prefill.extend(p);
             }
             let epilogue = epilogue();
             decode.extend(epilogue.iter().cloned());
-            Ok(Schedule { decode, prefill, epilogue })
+            Ok(Schedule { decode, prefill, epilogue, layers })
         }
 
         #(#fns)*

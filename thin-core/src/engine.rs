@@ -24,6 +24,10 @@ pub enum EngineError {
     Backend(String),
     #[error("shape fingerprint mismatch: engine {engine}, archive {archive}")]
     Fingerprint { engine: String, archive: String },
+    #[error("layer {layer} is not a layer of this model ({layers} layers)")]
+    NoSuchLayer { layer: usize, layers: usize },
+    #[error("{what}: {got} values, expected a whole number of rows of {row} (at most {max_rows} rows)")]
+    RowShape { what: &'static str, got: usize, row: usize, max_rows: usize },
 }
 
 /// A monomorphized decode loop for one architecture. The logits it returns are its own buffer,
@@ -48,6 +52,21 @@ impl<E: Engine + ?Sized> Engine for Box<E> {
     fn reset(&mut self) {
         (**self).reset()
     }
+}
+
+/// The CPU engine one layer at a time, on a residual stream it is handed: what a GPU engine
+/// calls for the layers `--residency hybrid` keeps in host memory. Each layer computes exactly as
+/// inside the whole engine (the same generated function, the same KV cache of that layer), so a
+/// model run layer by layer through this equals the engine's own forward pass bit for bit.
+pub trait HostLayers {
+    fn num_layers(&self) -> usize;
+    /// Positions each layer's KV cache holds.
+    fn max_seq(&self) -> usize;
+    /// Layer `layer`'s decode step on the residual `x` (`[hidden]`, updated in place) of the token
+    /// at `pos`; its K and V are written into this engine's cache of that layer.
+    fn layer_step(&mut self, layer: usize, x: &mut [f32], pos: usize) -> Result<(), EngineError>;
+    /// Layer `layer` over prompt rows `x` (`[rows, hidden]`, in place) at positions `pos..`.
+    fn layer_prompt(&mut self, layer: usize, x: &mut [f32], pos: usize) -> Result<(), EngineError>;
 }
 
 /// A borrowed tensor in the format it is stored in: the matvec of each format decodes its rows in
@@ -284,6 +303,8 @@ pub struct CompiledEngine<W> {
     pub max_seq: usize,
     /// Bind the engine's weights (a missing or misshapen tensor is an error here, not mid-token).
     pub open: fn(W) -> Result<Box<dyn Engine + Send>, EngineError>,
+    /// The same engine as [`HostLayers`], for the layers a GPU engine keeps on the host.
+    pub open_host: fn(W) -> Result<Box<dyn HostLayers + Send>, EngineError>,
 }
 
 /// Llama 3 RoPE frequency scaling as a description states it (static twin of
@@ -528,7 +549,10 @@ mod tests {
         fn open(_: ()) -> Result<Box<dyn Engine + Send>, EngineError> {
             unreachable!("selection never opens")
         }
-        CompiledEngine { arch, family, fingerprint, math: TINY_MATH, max_seq: 64, open }
+        fn open_host(_: ()) -> Result<Box<dyn HostLayers + Send>, EngineError> {
+            unreachable!("selection never opens")
+        }
+        CompiledEngine { arch, family, fingerprint, math: TINY_MATH, max_seq: 64, open, open_host }
     }
 
     fn known(name: &'static str, fingerprint: &'static str) -> KnownArch {

@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::cuda::plan::{device_len, Layout, ALIGN};
+use crate::cuda::plan::{device_len, Buf, Layout, ALIGN};
 use crate::manifest::{Manifest, TensorEntry};
 use crate::role::Role;
 
@@ -43,6 +43,10 @@ pub const AUTO_FREE_MARGIN: u64 = 1 << 30;
 /// Host-to-device bandwidth when none was measured: PCIe Gen5 x16 carries 63 GB/s a direction
 /// after 128b/130b coding; 80% of that, 50 GB/s, is assumed reachable for pinned copies. Assumed.
 pub const ASSUMED_LINK_GB_S: f64 = 50.0;
+/// The CPU engine's matvec rate when none was measured: 20 GB/s, below what it measured on a
+/// 2-core VM (28.5 GB/s, bf16) and far below a 16-core host's (about 77). `thin plan` and the
+/// loaders measure it on the archive ([`HostRate`]); this only stands in where nothing ran.
+pub const ASSUMED_HOST_GB_S: f64 = 20.0;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ResidencyError {
@@ -68,6 +72,18 @@ fn does_not_fit(plan: &ResidencyPlan, min_gpu_mem: u64, residency: Residency) ->
             plan.budget.describe(residency),
             show_gpu_mem(min_gpu_mem),
             show_gpu_mem(plan.min_stream_bytes)
+        );
+    }
+    if residency == Residency::Hybrid {
+        return format!(
+            "the model cannot run on this GPU even with every layer on the CPU: it needs at least {} on the device ({} always resident, KV cache of the layers on the device {}, activations {}, cuBLAS workspace + module/graph {}); {}. The smallest that runs: --gpu-mem {} (or a smaller --ctx)",
+            show(plan.min_stream_bytes),
+            show(plan.always_resident_bytes),
+            show(plan.kv_bytes),
+            show(plan.activation_bytes),
+            show(plan.cublas_workspace_bytes + plan.module_and_graph_bytes),
+            plan.budget.describe(residency),
+            show_gpu_mem(min_gpu_mem)
         );
     }
     format!(
@@ -114,6 +130,8 @@ pub struct Demand {
     pub ctx: usize,
     pub weights: Vec<WeightSpan>,
     pub kv_bytes: u64,
+    /// Each layer's part of `kv_bytes` (K and V): what leaves the device with a layer kept on the host.
+    pub kv_by_layer: BTreeMap<u32, u64>,
     /// The layout's arena less its KV cache: decode and prefill activations, RoPE tables.
     pub activation_bytes: u64,
     pub cublas_workspace_bytes: u64,
@@ -138,10 +156,17 @@ impl Demand {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let kv = layout.kv_bytes() as u64;
+        let mut kv_by_layer = BTreeMap::new();
+        for (b, _, n) in layout.regions() {
+            if let Buf::KCache(l) | Buf::VCache(l) = b {
+                *kv_by_layer.entry(l as u32).or_insert(0) += n as u64;
+            }
+        }
         Ok(Demand {
             ctx: layout.ctx,
             weights,
             kv_bytes: kv,
+            kv_by_layer,
             activation_bytes: layout.total_bytes as u64 - kv,
             cublas_workspace_bytes: CUBLAS_WORKSPACE_BYTES,
             module_and_graph_bytes: MODULE_AND_GRAPH_BYTES,
@@ -219,16 +244,21 @@ pub enum Residency {
     /// `all` when every weight fits with [`AUTO_FREE_MARGIN`] to spare, else as `stream`.
     #[default]
     Auto,
+    /// The first layers that fit resident; the rest split between the host link (streamed, as
+    /// `stream`) and the CPU engine (computed in host memory, their KV cache there too), so the
+    /// link and the CPU work on one token at the same time. llama.cpp's `-ngl`, with a ring beside it.
+    Hybrid,
 }
 
 impl Residency {
-    pub const ALL: [Residency; 3] = [Residency::All, Residency::Stream, Residency::Auto];
+    pub const ALL: [Residency; 4] = [Residency::All, Residency::Stream, Residency::Auto, Residency::Hybrid];
 
     pub fn name(self) -> &'static str {
         match self {
             Residency::All => "all",
             Residency::Stream => "stream",
             Residency::Auto => "auto",
+            Residency::Hybrid => "hybrid",
         }
     }
 }
@@ -236,7 +266,7 @@ impl Residency {
 impl std::str::FromStr for Residency {
     type Err = String;
     fn from_str(s: &str) -> Result<Residency, String> {
-        Residency::ALL.into_iter().find(|r| r.name() == s).ok_or_else(|| format!("{s:?} is not a residency: all, stream or auto"))
+        Residency::ALL.into_iter().find(|r| r.name() == s).ok_or_else(|| format!("{s:?} is not a residency: all, stream, auto or hybrid"))
     }
 }
 
@@ -275,6 +305,21 @@ impl Default for Link {
     }
 }
 
+/// How fast the CPU engine computes a layer kept on the host, as bytes of that layer's weights a
+/// second (a decode step reads each host layer's matrices once, as the GPU reads the others).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct HostRate {
+    pub gb_s: f64,
+    pub source: LinkSource,
+}
+
+/// The CPU engine's rate when none was measured: [`ASSUMED_HOST_GB_S`].
+impl Default for HostRate {
+    fn default() -> Self {
+        HostRate { gb_s: ASSUMED_HOST_GB_S, source: LinkSource::Assumed }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Decision {
@@ -282,6 +327,8 @@ pub enum Decision {
     AllResident,
     /// The layers in `streamed_layers` cross the host link every token.
     Stream,
+    /// Some layers stream, the layers in `host_layers` run on the CPU engine.
+    Hybrid,
     /// No budget known: the plan shown is every weight resident, with the budgets that would run.
     BudgetUnknown,
 }
@@ -291,6 +338,8 @@ pub enum Decision {
 pub enum Placement {
     Resident,
     Streamed,
+    /// Never on the device: the CPU engine computes the layer in host memory.
+    Host,
 }
 
 /// One weight and where the plan keeps it.
@@ -396,7 +445,18 @@ pub struct ResidencyPlan {
     pub pinned_host_bytes: u64,
     /// Every streamed layer in ring order: its slot, host offset and matrices with their pages.
     pub ring: Vec<StreamedLayer>,
-    /// `link.gb_s / streamed_bytes_per_token`; `None` when nothing streams.
+    /// Layers the CPU engine computes (`--residency hybrid`): their matrices and KV cache stay in
+    /// host memory.
+    pub host_layers: Vec<u32>,
+    /// Bytes of the host layers' matrices, read by the CPU once per token.
+    pub host_bytes_per_token: u64,
+    /// The host layers' KV cache at `ctx`, in host memory (f32, as the CPU engine keeps it).
+    pub host_kv_bytes: u64,
+    /// The CPU engine's rate the plan assumed; `None` unless the plan was made for `hybrid`.
+    pub host_rate: Option<HostRate>,
+    /// Tokens a second the plan allows: `link.gb_s / streamed_bytes_per_token`, or with host
+    /// layers the slower of that and `host_rate / host_bytes_per_token` (the link and the CPU work
+    /// at the same time); `None` when every layer is on the device.
     pub bound_tok_s: Option<f64>,
     /// The smallest budget that runs every weight resident.
     pub all_resident_bytes: u64,
@@ -407,31 +467,70 @@ pub struct ResidencyPlan {
 }
 
 /// Decide the placement of `d`'s weights within `budget` under `residency`, the tok/s bound over
-/// `link`. Below the smallest need of that mode: [`ResidencyError::DoesNotFit`] with that plan.
+/// `link` (and, for `hybrid`, the CPU engine's [`HostRate::default`]). Below the smallest need of
+/// that mode: [`ResidencyError::DoesNotFit`] with that plan.
 pub fn plan(d: &Demand, budget: Budget, link: Link, residency: Residency) -> Result<ResidencyPlan, ResidencyError> {
+    plan_with_host(d, budget, link, HostRate::default(), residency)
+}
+
+/// Where each non-resident layer goes: through the ring (`streamed`) or to the CPU (`host`).
+#[derive(Debug, Clone, Default)]
+struct Split {
+    streamed: Vec<u32>,
+    host: Vec<u32>,
+}
+
+/// [`plan`] with the CPU engine's rate `host` (used by `hybrid` only).
+///
+/// `hybrid` weighs, for every count of resident layers (the first ones), two ways to place the
+/// rest: all of it on the CPU (no ring), or split layer by layer, in step order, to whichever of
+/// the link and the CPU the step's time grows least on (each layer's bytes over its rate; the two
+/// work at the same time, so a step takes the longer of the two). Each way's device memory counts
+/// the ring only if something streams and drops the host layers' KV cache. The fastest plan that
+/// fits is taken; among equals, the one with more layers resident.
+pub fn plan_with_host(d: &Demand, budget: Budget, link: Link, host: HostRate, residency: Residency) -> Result<ResidencyPlan, ResidencyError> {
     let fixed = d.fixed_bytes();
     let layers = d.layer_bytes();
     let ids: Vec<u32> = layers.keys().copied().collect();
     let sizes: Vec<u64> = layers.values().copied().collect();
+    let n = sizes.len();
     let total: u64 = sizes.iter().sum();
-    // Device bytes with the first `k` layers resident and the rest through the ring.
-    let need = |k: usize| -> (u64, u64) {
-        if k == sizes.len() {
-            return (fixed + total, 0);
-        }
-        let slot = sizes[k..].iter().copied().max().unwrap_or(0);
-        let slots = RING_SLOTS.min(sizes.len() - k) as u64;
-        (fixed + sizes[..k].iter().sum::<u64>() + slots * slot, slot)
+    let size_of = |l: u32| layers.get(&l).copied().unwrap_or(0);
+    let kv_of = |ls: &[u32]| ls.iter().map(|l| d.kv_by_layer.get(l).copied().unwrap_or(0)).sum::<u64>();
+    // Device bytes with the first `k` layers resident and the rest placed as `split` says.
+    let need = |k: usize, split: &Split| -> (u64, u64) {
+        let slot = split.streamed.iter().map(|&l| size_of(l)).max().unwrap_or(0);
+        let slots = RING_SLOTS.min(split.streamed.len()) as u64;
+        (fixed - kv_of(&split.host) + sizes[..k].iter().sum::<u64>() + slots * slot, slot)
     };
-    let all_resident = need(sizes.len()).0;
-    // The plan that needs least: the most resident layers among equals (with layers of one size
-    // and more than RING_SLOTS of them, every layer streamed; with fewer, all resident).
-    let min_k = (0..=sizes.len()).rev().min_by_key(|&k| need(k).0).unwrap_or(0);
-    let min_stream = need(min_k).0;
-    let build = |decision, k: usize| {
-        let (device, slot) = need(k);
-        let streamed: Vec<u32> = ids[k..].to_vec();
-        let streamed_bytes: u64 = sizes[k..].iter().sum();
+    let streamed_from = |k: usize| Split { streamed: ids[k..].to_vec(), host: Vec::new() };
+    let link_s = |b: u64| b as f64 / (link.gb_s * 1e9);
+    let host_s = |b: u64| b as f64 / (host.gb_s * 1e9);
+    let step_s = |split: &Split| {
+        let (s, h): (u64, u64) = (split.streamed.iter().map(|&l| size_of(l)).sum(), split.host.iter().map(|&l| size_of(l)).sum());
+        link_s(s).max(host_s(h))
+    };
+    // The layers from `k` on, each to where the step's time grows least.
+    let greedy = |k: usize| {
+        let (mut split, mut on_link, mut on_host) = (Split::default(), 0.0f64, 0.0f64);
+        for &l in &ids[k..] {
+            let b = size_of(l);
+            if (on_link + link_s(b)).max(on_host) <= on_link.max(on_host + host_s(b)) {
+                on_link += link_s(b);
+                split.streamed.push(l);
+            } else {
+                on_host += host_s(b);
+                split.host.push(l);
+            }
+        }
+        split
+    };
+    let all_resident = fixed + total;
+    let build = |decision, k: usize, split: Split| {
+        let (device, slot) = if k == n { (all_resident, 0) } else { need(k, &split) };
+        let Split { streamed, host: host_layers } = split;
+        let streamed_bytes: u64 = streamed.iter().map(|&l| size_of(l)).sum();
+        let host_bytes: u64 = host_layers.iter().map(|&l| size_of(l)).sum();
         let mut role_bytes = BTreeMap::new();
         for w in &d.weights {
             *role_bytes.entry(w.role.name()).or_insert(0) += w.bytes;
@@ -440,12 +539,24 @@ pub fn plan(d: &Demand, budget: Budget, link: Link, residency: Residency) -> Res
             .weights
             .iter()
             .map(|w| {
-                let streams = !w.always_resident() && w.layer.is_some_and(|l| streamed.contains(&l));
-                TensorPlacement { weight: w.clone(), placement: if streams { Placement::Streamed } else { Placement::Resident } }
+                let layer_of = |set: &[u32]| !w.always_resident() && w.layer.is_some_and(|l| set.contains(&l));
+                let placement = if layer_of(&streamed) {
+                    Placement::Streamed
+                } else if layer_of(&host_layers) {
+                    Placement::Host
+                } else {
+                    Placement::Resident
+                };
+                TensorPlacement { weight: w.clone(), placement }
             })
             .collect();
         let (ring_slots, ring_slot_bytes, ring) = ring_layout(&d.weights, &streamed, RING_SLOTS);
         debug_assert_eq!((ring_slot_bytes, ring.iter().map(|l| l.bytes).sum::<u64>()), (slot, streamed_bytes));
+        let host_kv = kv_of(&host_layers);
+        let bound = match (streamed_bytes, host_bytes) {
+            (0, 0) => None,
+            (s, h) => Some(1.0 / link_s(s).max(host_s(h))),
+        };
         ResidencyPlan {
             decision,
             residency,
@@ -457,7 +568,7 @@ pub fn plan(d: &Demand, budget: Budget, link: Link, residency: Residency) -> Res
             role_bytes,
             layer_bytes: sizes.clone(),
             always_resident_bytes: d.weights.iter().filter(|w| w.always_resident()).map(|w| w.bytes).sum(),
-            kv_bytes: d.kv_bytes,
+            kv_bytes: d.kv_bytes - host_kv,
             activation_bytes: d.activation_bytes,
             cublas_workspace_bytes: d.cublas_workspace_bytes,
             module_and_graph_bytes: d.module_and_graph_bytes,
@@ -470,28 +581,69 @@ pub fn plan(d: &Demand, budget: Budget, link: Link, residency: Residency) -> Res
             streamed_pages_per_token: ring.iter().flat_map(|l| &l.tensors).map(|t| t.page_count as u64).sum(),
             pinned_host_bytes: streamed_bytes,
             ring,
-            bound_tok_s: (streamed_bytes > 0).then(|| link.gb_s * 1e9 / streamed_bytes as f64),
+            host_layers,
+            host_bytes_per_token: host_bytes,
+            // The CPU engine keeps K and V in f32: twice the device's bf16.
+            host_kv_bytes: 2 * host_kv,
+            host_rate: (residency == Residency::Hybrid).then_some(host),
+            bound_tok_s: bound,
             all_resident_bytes: all_resident,
-            min_stream_bytes: min_stream,
+            min_stream_bytes: 0,
             tensors,
         }
     };
+    // The plan that needs least in this mode (among equals, the most resident layers): streaming,
+    // every k with the rest through the ring (layers of one size and more than RING_SLOTS of them:
+    // every layer streamed; with fewer, all resident); hybrid, every layer on the CPU.
+    let (min_k, min_split) = if residency == Residency::Hybrid {
+        (0, Split { streamed: Vec::new(), host: ids.clone() })
+    } else {
+        let k = (0..=n).rev().min_by_key(|&k| if k == n { all_resident } else { need(k, &streamed_from(k)).0 }).unwrap_or(0);
+        (k, if k == n { Split::default() } else { streamed_from(k) })
+    };
+    let min_need = if min_k == n { all_resident } else { need(min_k, &min_split).0 };
+    let with_min = |mut p: ResidencyPlan| {
+        p.min_stream_bytes = min_need;
+        p
+    };
+    let decision_of = |split: &Split| match (split.streamed.is_empty(), split.host.is_empty()) {
+        (true, true) => Decision::AllResident,
+        (_, false) => Decision::Hybrid,
+        (false, true) => Decision::Stream,
+    };
     let Some(avail) = budget.bytes_for(residency) else {
-        return Ok(build(Decision::BudgetUnknown, sizes.len()));
+        return Ok(with_min(build(Decision::BudgetUnknown, n, Split::default())));
     };
     if all_resident <= avail {
-        return Ok(build(Decision::AllResident, sizes.len()));
+        return Ok(with_min(build(Decision::AllResident, n, Split::default())));
     }
     if residency == Residency::All {
-        return Err(ResidencyError::DoesNotFit { plan: Box::new(build(Decision::AllResident, sizes.len())), min_gpu_mem: all_resident, residency });
+        return Err(ResidencyError::DoesNotFit { plan: Box::new(with_min(build(Decision::AllResident, n, Split::default()))), min_gpu_mem: all_resident, residency });
     }
-    // The most resident layers whose plan fits (need(k) grows with k for equal layers; every k
-    // is tried, so layers of unequal size are handled too).
-    match (0..sizes.len()).rev().find(|&k| need(k).0 <= avail) {
-        Some(k) => Ok(build(Decision::Stream, k)),
+    let chosen = if residency == Residency::Hybrid {
+        // Every resident count, each with the rest on the CPU alone and split with the link.
+        let mut best: Option<(f64, usize, Split)> = None;
+        for k in (0..n).rev() {
+            for split in [Split { streamed: Vec::new(), host: ids[k..].to_vec() }, greedy(k)] {
+                if need(k, &split).0 > avail {
+                    continue;
+                }
+                let t = step_s(&split);
+                if best.as_ref().is_none_or(|(bt, _, _)| t < *bt) {
+                    best = Some((t, k, split));
+                }
+            }
+        }
+        best.map(|(_, k, split)| (k, split))
+    } else {
+        // The most resident layers whose plan fits (every k is tried: layers of unequal size too).
+        (0..n).rev().find(|&k| need(k, &streamed_from(k)).0 <= avail).map(|k| (k, streamed_from(k)))
+    };
+    match chosen {
+        Some((k, split)) => Ok(with_min(build(decision_of(&split), k, split))),
         None => {
-            let plan = build(if min_k == sizes.len() { Decision::AllResident } else { Decision::Stream }, min_k);
-            Err(ResidencyError::DoesNotFit { plan: Box::new(plan), min_gpu_mem: min_stream, residency })
+            let plan = with_min(build(decision_of(&min_split), min_k, min_split));
+            Err(ResidencyError::DoesNotFit { plan: Box::new(plan), min_gpu_mem: min_need, residency })
         }
     }
 }
@@ -513,6 +665,20 @@ impl ResidencyPlan {
                 self.bound_tok_s.unwrap_or(0.0),
                 self.link.gb_s,
                 self.link.source.label()
+            ),
+            Decision::Hybrid => format!(
+                "{} of {} layers resident, {} streamed ({} a token at {:.0} GB/s, {}), {} on the CPU ({} a token at {:.0} GB/s, {}); at most {:.1} tok/s",
+                self.resident_layers.len(),
+                self.layer_bytes.len(),
+                self.streamed_layers.len(),
+                show(self.streamed_bytes_per_token),
+                self.link.gb_s,
+                self.link.source.label(),
+                self.host_layers.len(),
+                show(self.host_bytes_per_token),
+                self.host_rate.map_or(0.0, |h| h.gb_s),
+                self.host_rate.map_or("", |h| h.source.label()),
+                self.bound_tok_s.unwrap_or(0.0)
             ),
         };
         let of = self.budget_bytes.map_or_else(String::new, |b| format!(" of {}", show(b)));
@@ -541,13 +707,17 @@ impl ResidencyPlan {
         let _ = writeln!(s, "weights by layer (matrices; norms stay resident)");
         let mut i = 0;
         while i < self.layer_bytes.len() {
-            let placed = |j: usize| self.resident_layers.len() > j;
+            let placed = |j: usize| match j as u32 {
+                l if self.host_layers.contains(&l) => "on the CPU",
+                l if self.streamed_layers.contains(&l) => "streamed",
+                _ => "resident",
+            };
             let mut j = i;
             while j + 1 < self.layer_bytes.len() && self.layer_bytes[j + 1] == self.layer_bytes[i] && placed(j + 1) == placed(i) {
                 j += 1;
             }
             let name = if i == j { format!("layer {i}") } else { format!("layers {i}-{j} ({} each)", show(self.layer_bytes[i])) };
-            let where_ = if placed(i) { "resident" } else { "streamed" };
+            let where_ = placed(i);
             row(&mut s, &name, self.layer_bytes[i] * (j - i + 1) as u64, where_);
             i = j + 1;
         }
@@ -576,9 +746,41 @@ impl ResidencyPlan {
                 self.ring_slots,
                 show(self.pinned_host_bytes)
             ),
+            Decision::Hybrid => format!(
+                "{} of {} layers on the CPU (layers {}; their KV cache, {}, in host memory){}",
+                self.host_layers.len(),
+                self.layer_bytes.len(),
+                ranges(&self.host_layers),
+                show(self.host_kv_bytes),
+                if self.streamed_layers.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        "; stream {} ({} pages of layers {}) through a ring of {}, from {} of pinned host memory",
+                        self.streamed_layers.len(),
+                        self.streamed_pages_per_token,
+                        ranges(&self.streamed_layers),
+                        self.ring_slots,
+                        show(self.pinned_host_bytes)
+                    )
+                }
+            ),
         };
         let _ = writeln!(s, "decision: {decision}");
-        if let Some(b) = self.bound_tok_s {
+        if let (Some(h), Some(b)) = (self.host_rate, self.bound_tok_s) {
+            if !self.host_layers.is_empty() {
+                let _ = writeln!(
+                    s,
+                    "on the CPU per token: {}; with the link's {} the bound is {:.1} tok/s (CPU engine {:.1} GB/s, {})",
+                    show(self.host_bytes_per_token),
+                    show(self.streamed_bytes_per_token),
+                    b,
+                    h.gb_s,
+                    h.source.label()
+                );
+            }
+        }
+        if let (Some(b), true) = (self.bound_tok_s, self.host_layers.is_empty()) {
             let _ = writeln!(
                 s,
                 "streamed per token: {}; bound {:.1} tok/s at {:.1} GB/s host link ({})",
@@ -589,7 +791,8 @@ impl ResidencyPlan {
             );
         }
         let _ = writeln!(s, "smallest --gpu-mem, all resident: {}", show_gpu_mem(self.all_resident_bytes));
-        let _ = writeln!(s, "smallest --gpu-mem that runs at all (streaming): {}", show_gpu_mem(self.min_stream_bytes));
+        let how = if self.residency == Residency::Hybrid { "every layer on the CPU" } else { "streaming" };
+        let _ = writeln!(s, "smallest --gpu-mem that runs at all ({how}): {}", show_gpu_mem(self.min_stream_bytes));
         s
     }
 }
@@ -711,6 +914,7 @@ mod tests {
             weights,
             // bf16 K and V of 4 heads × 128 for each of 36 layers.
             kv_bytes: 36 * 2 * ctx as u64 * kv * 2,
+            kv_by_layer: (0..36).map(|l| (l, 2 * ctx as u64 * kv * 2)).collect(),
             // The arena the H100 reported at ctx 4096 less its KV cache (run29's `load`:
             // arena_bytes 384749056, kv_bytes 301989888).
             activation_bytes: 384_749_056 - 301_989_888,
@@ -807,7 +1011,7 @@ mod tests {
     fn unequal_layers_ring_sized_by_the_largest_streamed() {
         // Layer 2 is twice the others: with 2 resident the ring holds two of it.
         let w = |l, bytes| WeightSpan { role: Role::FfnDown, layer: Some(l), bytes, first_page: l, page_count: 1 };
-        let d = Demand { ctx: 1, weights: vec![w(0, 100), w(1, 100), w(2, 200), w(3, 100)], kv_bytes: 0, activation_bytes: 0, cublas_workspace_bytes: 0, module_and_graph_bytes: 0 };
+        let d = Demand { ctx: 1, weights: vec![w(0, 100), w(1, 100), w(2, 200), w(3, 100)], kv_bytes: 0, kv_by_layer: BTreeMap::new(), activation_bytes: 0, cublas_workspace_bytes: 0, module_and_graph_bytes: 0 };
         // need(k): k=0: 400, 1: 100+400=500, 2: 200+400=600, 3: 400+200=600, 4: 500.
         let p = plan(&d, Budget { gpu_mem: Some(450), free: None }, Link::default(), Residency::Stream).unwrap();
         assert_eq!((p.resident_layers.len(), p.ring_slot_bytes, p.device_bytes), (0, 200, 400));
@@ -820,7 +1024,7 @@ mod tests {
         // A ring of two layers takes what both layers resident take: the smallest plan keeps
         // them resident, and below it the refusal carries that plan.
         let w = |l| WeightSpan { role: Role::AttnQ, layer: Some(l), bytes: 100, first_page: l, page_count: 1 };
-        let d = Demand { ctx: 1, weights: vec![w(0), w(1)], kv_bytes: 10, activation_bytes: 0, cublas_workspace_bytes: 0, module_and_graph_bytes: 0 };
+        let d = Demand { ctx: 1, weights: vec![w(0), w(1)], kv_bytes: 10, kv_by_layer: BTreeMap::from([(0, 5), (1, 5)]), activation_bytes: 0, cublas_workspace_bytes: 0, module_and_graph_bytes: 0 };
         let e = plan(&d, Budget { gpu_mem: Some(209), free: None }, Link::default(), Residency::Stream).unwrap_err();
         let ResidencyError::DoesNotFit { plan: p, min_gpu_mem: 210, .. } = &e else { panic!("{e}") };
         assert_eq!((p.decision, p.streamed_layers.len(), p.ring_slots), (Decision::AllResident, 0, 0));
@@ -909,6 +1113,58 @@ mod tests {
         for bad in ["", "ALL", "resident", "auto ", "none"] {
             assert!(bad.parse::<Residency>().is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn hybrid_splits_the_rest_between_link_and_cpu() {
+        // Run 35's rates on the H100's host: the link 55.5 GB/s, the CPU engine taken as 77.
+        let d = smollm3_3b(4096);
+        let link = Link { gb_s: 55.5, source: LinkSource::Measured };
+        let cpu = HostRate { gb_s: 77.0, source: LinkSource::Given };
+        let p = plan_with_host(&d, Budget { gpu_mem: Some(2 * GIB), free: None }, link, cpu, Residency::Hybrid).unwrap();
+        assert_eq!(p.decision, Decision::Hybrid);
+        // By hand: a layer takes 156237824 / 55.5e9 = 2.815 ms over the link, / 77e9 = 2.029 ms on
+        // the CPU; a host layer frees its 8 MiB of KV (2·4096·512·2 = 8388608).
+        // 6 resident + a ring of 2: fixed 994569728 + 8·156237824 = 2244472320 > 2 GiB less the
+        // host KV (18·8388608 = 150994944): 2093477376 fits, with 54 MB to spare; 7 resident
+        // would need 156 MB more. The other 30 split greedily: 12 streamed (33.78 ms), 18 on the
+        // CPU (36.52 ms): the bound is 1 / 36.52 ms = 27.38 tok/s.
+        assert_eq!(p.resident_layers, (0..6).collect::<Vec<_>>());
+        assert_eq!((p.streamed_layers.len(), p.host_layers.len()), (12, 18));
+        assert_eq!(p.device_bytes, 994_569_728 + 8 * LAYER - 18 * 8_388_608);
+        assert!(p.device_bytes <= 2 * GIB);
+        assert_eq!((p.streamed_bytes_per_token, p.host_bytes_per_token), (12 * LAYER, 18 * LAYER));
+        assert_eq!((p.kv_bytes, p.host_kv_bytes), (18 * 8_388_608, 2 * 18 * 8_388_608));
+        let bound = 1.0 / (18.0 * LAYER as f64 / 77e9);
+        assert!((p.bound_tok_s.unwrap() - bound).abs() < 1e-9 && (bound - 27.38).abs() < 0.01, "{:?}", p.bound_tok_s);
+        // Interleaved in step order, so the link always has the next streamed layer to carry while
+        // the CPU computes: never more than two host layers in a row here.
+        let mut placed: Vec<char> = (6..36).map(|l| if p.host_layers.contains(&l) { 'h' } else { 's' }).collect();
+        placed.dedup_by(|a, b| a == b && *a == 's');
+        assert!(!placed.iter().collect::<String>().contains("hhh"), "{placed:?}");
+        // Per tensor: a host layer's matrices are on the host, its norms stay on the device.
+        let of = |role, l| p.tensors.iter().find(|t| t.weight.role == role && t.weight.layer == Some(l)).unwrap().placement;
+        let h = p.host_layers[0];
+        assert_eq!((of(Role::FfnDown, h), of(Role::AttnNorm, h)), (Placement::Host, Placement::Resident));
+        assert!(p.one_line().contains("18 on the CPU") && p.table().contains("on the CPU"), "{}\n{}", p.one_line(), p.table());
+        // The same budget streaming alone: 5 resident, 31 streamed, 1 / (31 · 2.815 ms) = 11.46 tok/s.
+        let s = plan_with_host(&d, Budget { gpu_mem: Some(2 * GIB), free: None }, link, cpu, Residency::Stream).unwrap();
+        assert_eq!((s.decision, s.resident_layers.len(), s.host_layers.len(), s.host_rate), (Decision::Stream, 5, 0, None));
+        assert!(p.bound_tok_s.unwrap() > 2.3 * s.bound_tok_s.unwrap());
+        // A CPU slower than the link: fewer layers go to it.
+        let slow = plan_with_host(&d, Budget { gpu_mem: Some(2 * GIB), free: None }, link, HostRate { gb_s: 10.0, source: LinkSource::Given }, Residency::Hybrid).unwrap();
+        assert!(slow.host_layers.len() < slow.streamed_layers.len(), "{} on the CPU, {} streamed", slow.host_layers.len(), slow.streamed_layers.len());
+        // Everything fits: all resident, nothing on the host.
+        let all = plan_with_host(&d, Budget { gpu_mem: Some(8 * GIB), free: None }, link, cpu, Residency::Hybrid).unwrap();
+        assert_eq!((all.decision, all.host_layers.len(), all.bound_tok_s), (Decision::AllResident, 0, None));
+        // The least hybrid needs: every layer on the CPU, no ring, no KV on the device.
+        let least = 994_569_728 - 36 * 8_388_608;
+        let e = plan_with_host(&d, Budget { gpu_mem: Some(least - 1), free: None }, link, cpu, Residency::Hybrid).unwrap_err();
+        let ResidencyError::DoesNotFit { plan: q, min_gpu_mem, residency: Residency::Hybrid } = &e else { panic!("{e}") };
+        assert_eq!((*min_gpu_mem, q.host_layers.len(), q.ring_slots, q.kv_bytes), (least, 36, 0, 0));
+        assert!(e.to_string().contains("every layer on the CPU"), "{e}");
+        let p = plan_with_host(&d, Budget { gpu_mem: Some(least), free: None }, link, cpu, Residency::Hybrid).unwrap();
+        assert_eq!((p.host_layers.len(), p.device_bytes), (36, least));
     }
 
     #[test]

@@ -38,11 +38,15 @@ pub struct CudaOptions {
     /// device buffers each pass (the residency plan's `streamed_layers`, in step order); empty:
     /// every weight resident.
     pub streamed_layers: Vec<u32>,
+    /// Layers the CPU engine computes in host memory (the residency plan's `host_layers`, for
+    /// `--residency hybrid`): their matrices and KV cache never reach the device, and the engine
+    /// must be opened with the CPU engine ([`runtime::CudaEngine::with_host`]).
+    pub host_layers: Vec<u32>,
 }
 
 impl CudaOptions {
     pub fn new(ctx: usize) -> CudaOptions {
-        CudaOptions { ctx, progress: false, timeline: false, streamed_layers: Vec::new() }
+        CudaOptions { ctx, progress: false, timeline: false, streamed_layers: Vec::new(), host_layers: Vec::new() }
     }
 }
 

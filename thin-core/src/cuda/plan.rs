@@ -142,6 +142,17 @@ pub struct Schedule {
     pub prefill: Vec<Step>,
     /// What runs on the prompt's last row after the prefill passes (the decode step's tail).
     pub epilogue: Vec<Launch>,
+    /// Each layer's part of `decode` and `prefill`, in layer order: what a layer kept on the host
+    /// (`--residency hybrid`) replaces with the CPU engine's layer. Between two layers the residual
+    /// stream (`X`, prefill's `PX`) is the only state that crosses.
+    pub layers: Vec<LayerSteps>,
+}
+
+/// One layer's launches in [`Schedule::decode`] and steps in [`Schedule::prefill`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerSteps {
+    pub decode: std::ops::Range<usize>,
+    pub prefill: std::ops::Range<usize>,
 }
 
 impl Schedule {
@@ -513,6 +524,23 @@ impl Layout {
         self.regions.iter().map(|(b, (o, n))| (*b, *o, *n))
     }
 
+    /// This layout without the KV cache of `layers` (layers the CPU engine computes, whose cache
+    /// is in host memory), the other buffers packed again in the same order.
+    pub fn without_kv_of(&self, layers: &[u32]) -> Layout {
+        let mut regions = BTreeMap::new();
+        let mut off = 0;
+        for (&b, &(_, n)) in &self.regions {
+            if let Buf::KCache(l) | Buf::VCache(l) = b {
+                if layers.contains(&(l as u32)) {
+                    continue;
+                }
+            }
+            regions.insert(b, (off, n));
+            off += align(n);
+        }
+        Layout { total_bytes: off, regions, ..self.clone() }
+    }
+
     /// Bytes of the KV cache alone.
     pub fn kv_bytes(&self) -> usize {
         self.regions.iter().filter(|(b, _)| matches!(b, Buf::KCache(_) | Buf::VCache(_))).map(|(_, (_, n))| *n).sum()
@@ -754,7 +782,7 @@ mod tests {
             max_positions: 4096,
             inv_freq_global: crate::cpu::rope_inv_freq(32, 10000.0),
             inv_freq_local: crate::cpu::rope_inv_freq(32, 10000.0),
-            schedule: Schedule { epilogue: decode[3..].to_vec(), decode, prefill },
+            schedule: Schedule { epilogue: decode[3..].to_vec(), decode, prefill, layers: vec![LayerSteps { decode: 1..2, prefill: 1..3 }, LayerSteps { decode: 2..3, prefill: 3..3 }] },
             kernels: "",
         }
     }
@@ -822,6 +850,24 @@ mod tests {
         for counts in [[7, 0, 0], [3, 3, 1], [1, 1, 5], [2, 2, 3], [4, 3, 0]] {
             assert!(counts.iter().map(|c: &usize| c.div_ceil(3)).sum::<usize>() <= moe_tiles(7, 3, 3), "{counts:?}");
         }
+    }
+
+    #[test]
+    fn layout_without_a_layers_kv_packs_the_rest() {
+        let l = Layout::new(&arch(), 128, 16, &bf16, 132).unwrap();
+        let kv = |l: &Layout, i| (l.get(Buf::KCache(i)), l.get(Buf::VCache(i)));
+        let w = l.without_kv_of(&[1]);
+        assert_eq!(kv(&w, 1), (None, None));
+        assert!(kv(&w, 0).0.is_some());
+        assert_eq!(w.kv_bytes(), l.kv_bytes() - l.get(Buf::KCache(1)).unwrap().1 - l.get(Buf::VCache(1)).map_or(0, |v| v.1));
+        assert!(w.total_bytes < l.total_bytes);
+        let mut end = 0;
+        for (_, off, n) in w.regions() {
+            assert!(off >= end && off % ALIGN == 0);
+            end = off + n;
+        }
+        assert!(end <= w.total_bytes);
+        assert_eq!(l.without_kv_of(&[]).total_bytes, l.total_bytes);
     }
 
     #[test]

@@ -8,6 +8,12 @@
 //! before it in the same slot, its first kernel waits for its copy ([`plan::ring_uses`]). The
 //! decode step stays one graph, the copies nodes of it; the host never waits on a layer.
 //!
+//! Host layers ([`CudaOptions::host_layers`], `--residency hybrid`): the CPU engine computes them
+//! in host memory. Their matrices are not uploaded and their KV cache is the CPU engine's. The
+//! decode step then runs as launches, not a graph: at a host layer the residual row crosses to a
+//! page-locked buffer, the CPU computes the layer, and the row crosses back, while the ring's
+//! copies on the copy stream go on around it (so the link and the CPU work at the same time).
+//!
 //! cudarc loads libcuda and NVRTC at run time, so this compiles on machines without either; at run
 //! time their absence is [`CudaError::NoDriver`] / [`CudaError::NoNvrtc`], never a panic.
 
@@ -25,7 +31,7 @@ pub use super::CudaOptions;
 use super::plan::{self, Arg, Buf, CudaArch, Gemm, Launch, Layout, RingUse, RopeTable, Step};
 use crate::residency::{ring_layout, StreamedLayer, WeightSpan, RING_SLOTS};
 use crate::dtype::DType;
-use crate::engine::EngineError;
+use crate::engine::{EngineError, HostLayers};
 use crate::format::Archive;
 use crate::role::Role;
 
@@ -45,6 +51,10 @@ pub enum CudaError {
     Plan(#[from] plan::PlanError),
     #[error("weight {role:?} (layer {layer:?}): {msg}")]
     Weight { role: Role, layer: Option<u32>, msg: String },
+    #[error("the CPU engine's layer {layer}: {err}")]
+    Host { layer: u32, err: String },
+    #[error("{0} host layers were asked for but no CPU engine was given (CudaEngine::with_host)")]
+    NoHostEngine(usize),
     #[error("archive is for arch {archive} (fingerprint {archive_fp}), this engine for {engine} ({engine_fp})")]
     Mismatch { engine: String, engine_fp: String, archive: String, archive_fp: String },
 }
@@ -205,6 +215,27 @@ impl Drop for Ring {
     }
 }
 
+/// The layers the CPU engine computes: the engine, which layers (with their decode launches and
+/// prefill steps, which it replaces), and the page-locked rows the residual stream crosses in.
+struct HostPart {
+    engine: Box<dyn HostLayers + Send>,
+    /// (layer, its decode launches, its prefill steps).
+    layers: Vec<(u32, std::ops::Range<usize>, std::ops::Range<usize>)>,
+    /// `[prefill_rows, hidden]` f32.
+    rows: PinnedBuffer,
+}
+
+impl HostPart {
+    /// The host layer whose decode launches (`decode`) or prefill steps hold step `i`, and
+    /// whether `i` is its first.
+    fn at(&self, i: usize, decode: bool) -> Option<(u32, bool)> {
+        self.layers.iter().find_map(|(l, d, p)| {
+            let r = if decode { d } else { p };
+            r.contains(&i).then_some((*l, i == r.start))
+        })
+    }
+}
+
 /// Where compiled kernels are cached: `$THIN_CACHE_DIR`, else `$XDG_CACHE_HOME/thin`, else `~/.cache/thin`.
 pub fn cache_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("THIN_CACHE_DIR") {
@@ -249,6 +280,8 @@ pub struct LoadStats {
     pub ring_bytes: usize,
     /// Page-locked host memory holding the streamed layers: the bytes each token copies.
     pub pinned_host_bytes: usize,
+    /// Layers the CPU engine computes (empty: none).
+    pub host_layers: Vec<u32>,
 }
 
 /// Copy `data` to device address `dst` in `stream`'s order and wait for it to land. (The
@@ -398,6 +431,8 @@ pub struct CudaEngine {
     offsets: std::collections::BTreeMap<(Role, Option<u32>), (usize, usize)>,
     /// The streamed layers, if any: read from the ring's slots.
     ring: Option<Ring>,
+    /// The layers the CPU engine computes, if any (taken out while a pass runs).
+    host: Option<HostPart>,
     /// Every kernel the schedule launches, by instance name ([`Layout::kernel`]).
     funcs: BTreeMap<String, cusys::CUfunction>,
     /// The arch, its schedule among it.
@@ -498,6 +533,7 @@ fn upload_weights(
     src: &dyn WeightSource,
     arch: &CudaArch,
     streamed: &[u32],
+    host: &[u32],
     progress: bool,
 ) -> Result<(DeviceBuffer, BTreeMap<(Role, Option<u32>), (usize, usize)>, Option<(PinnedBuffer, usize, usize, Vec<StreamedLayer>)>), CudaError> {
     let mut offsets = BTreeMap::new();
@@ -519,6 +555,10 @@ fn upload_weights(
         let n = bytes.len();
         let aligned = n.div_ceil(plan::ALIGN) * plan::ALIGN;
         let span = WeightSpan { role, layer, bytes: aligned as u64, first_page: 0, page_count: 0 };
+        if !span.always_resident() && layer.is_some_and(|l| host.contains(&l)) {
+            // The CPU engine reads it in host memory.
+            continue;
+        }
         if !span.always_resident() && layer.is_some_and(|l| streamed.contains(&l)) {
             spans.push(span);
             stream_sources.insert((role, layer), bytes);
@@ -604,7 +644,8 @@ fn blas_handle(dev: &Device) -> Result<Option<blassys::cublasHandle_t>, CudaErro
 
 impl CudaEngine {
     /// Bring `arch` up on GPU 0 with the archive's weights.
-    pub fn new(archive: &Archive, arch: &CudaArch, opts: &CudaOptions) -> Result<Self, CudaError> {
+    /// `host`: the CPU engine over the same archive, for [`CudaOptions::host_layers`].
+    pub fn new(archive: &Archive, arch: &CudaArch, opts: &CudaOptions, host: Option<Box<dyn HostLayers + Send>>) -> Result<Self, CudaError> {
         let m = archive.manifest();
         if m.shape_fingerprint != arch.fingerprint {
             let a = &m.arch;
@@ -615,16 +656,35 @@ impl CudaEngine {
                 archive_fp: m.shape_fingerprint.clone(),
             });
         }
-        Self::with_weights(archive, arch, opts)
+        Self::with_host(archive, arch, opts, host)
     }
 
     /// Bring `arch` up on GPU 0 with weights from `src` (which must hold `arch`'s shapes): compile
     /// the kernels, lay out the buffers, upload the weights, capture the decode step.
     pub fn with_weights(src: &dyn WeightSource, arch: &CudaArch, opts: &CudaOptions) -> Result<Self, CudaError> {
+        Self::with_host(src, arch, opts, None)
+    }
+
+    /// [`Self::with_weights`], with `host` computing [`CudaOptions::host_layers`] (the CPU engine
+    /// over the same weights; required when any layer is on the host).
+    pub fn with_host(src: &dyn WeightSource, arch: &CudaArch, opts: &CudaOptions, host: Option<Box<dyn HostLayers + Send>>) -> Result<Self, CudaError> {
         let mut stats = LoadStats::default();
+        let host_engine = match (host, opts.host_layers.len()) {
+            (_, 0) => None,
+            (None, n) => return Err(CudaError::NoHostEngine(n)),
+            (Some(h), _) => Some(h),
+        };
+        if let Some(h) = &host_engine {
+            if let Some(&l) = opts.host_layers.iter().find(|&&l| l as usize >= h.num_layers() || l as usize >= arch.schedule.layers.len()) {
+                return Err(CudaError::Host { layer: l, err: format!("not a layer of this model ({} layers)", arch.schedule.layers.len()) });
+            }
+            if h.max_seq() < opts.ctx {
+                return Err(CudaError::Host { layer: opts.host_layers[0], err: format!("the CPU engine holds {} positions, fewer than the context of {}", h.max_seq(), opts.ctx) });
+            }
+        }
         let dev = Device::open(&mut stats)?;
         // Each launch's kernel instance is that of its weights' storage type.
-        let layout = Layout::new(arch, opts.ctx, PREFILL_ROWS.min(opts.ctx), &|(r, l)| src.dtype(r, l), dev.sm_count)?;
+        let layout = Layout::new(arch, opts.ctx, PREFILL_ROWS.min(opts.ctx), &|(r, l)| src.dtype(r, l), dev.sm_count)?.without_kv_of(&opts.host_layers);
         stats.timeline = opts.timeline;
         stats.pdl = dev.major >= 9;
         stats.attn_splits = layout.splits;
@@ -632,7 +692,7 @@ impl CudaEngine {
         let (module, funcs) = compile(&dev, arch, &layout, opts.timeline, &mut stats)?;
 
         let t = Instant::now();
-        let (weights, offsets, staged) = upload_weights(&dev, src, arch, &opts.streamed_layers, opts.progress)?;
+        let (weights, offsets, staged) = upload_weights(&dev, src, arch, &opts.streamed_layers, &opts.host_layers, opts.progress)?;
         stats.weight_bytes = weights.bytes;
         let ring = match staged {
             Some((host, slots, slot_bytes, layers)) => Some(make_ring(&dev, arch, host, slots, slot_bytes, layers)?),
@@ -655,6 +715,14 @@ impl CudaEngine {
         stats.arena_bytes = layout.total_bytes;
         stats.kv_bytes = layout.kv_bytes();
 
+        let host = match host_engine {
+            Some(engine) => {
+                let layers = opts.host_layers.iter().map(|&l| (l, arch.schedule.layers[l as usize].decode.clone(), arch.schedule.layers[l as usize].prefill.clone())).collect();
+                stats.host_layers = opts.host_layers.clone();
+                Some(HostPart { engine, layers, rows: PinnedBuffer::new(layout.prefill_rows * arch.dims.hidden_size as usize * 4)? })
+            }
+            None => None,
+        };
         let blas = blas_handle(&dev)?;
         let mut e = CudaEngine {
             _ctx: dev.ctx,
@@ -665,6 +733,7 @@ impl CudaEngine {
             weights,
             offsets,
             ring,
+            host,
             funcs,
             spec: arch.clone(),
             blas,
@@ -675,7 +744,10 @@ impl CudaEngine {
             logits: vec![0.0; arch.dims.vocab_size as usize],
             stats,
         };
-        e.capture()?;
+        // With host layers the step runs as launches (the host computes inside it): no graph.
+        if e.host.is_none() {
+            e.capture()?;
+        }
         Ok(e)
     }
 
@@ -724,9 +796,58 @@ impl CudaEngine {
     /// Refuse what reads the weights outside a staged pass (a streamed layer's slot holds
     /// whichever layer was copied last).
     fn all_resident(&self, what: &'static str) -> Result<(), CudaError> {
+        if let Some(h) = &self.host {
+            return Err(CudaError::Driver { what, err: format!("{} layers run on the CPU: this needs every weight on the device (--residency all)", h.layers.len()) });
+        }
         match &self.ring {
             Some(r) => Err(CudaError::Driver { what, err: format!("{} layers stream through the ring: this needs every weight resident (--residency all)", r.layers.len()) }),
             None => Ok(()),
+        }
+    }
+
+    /// Host layer `layer` on `rows` rows of the residual in `buf` (`X`, or prefill's `PX`) at
+    /// positions `pos..`: the rows cross to the page-locked buffer, the CPU engine computes the
+    /// layer, the rows cross back. Waits for the compute stream only (the copy stream goes on).
+    fn host_layer(&self, host: &mut HostPart, layer: u32, buf: Buf, rows: usize, pos: usize) -> Result<(), CudaError> {
+        let cs = self.stream.cu_stream();
+        let n = rows * self.spec.dims.hidden_size as usize;
+        if n * 4 > host.rows.bytes {
+            return Err(CudaError::Host { layer, err: format!("{rows} rows exceed the {} bytes of the host rows", host.rows.bytes) });
+        }
+        let dev = self.buf(buf);
+        unsafe {
+            drv("copying rows to a host layer", cusys::cuMemcpyDtoHAsync_v2(host.rows.ptr as *mut c_void, dev, n * 4, cs).result())?;
+            drv("waiting for rows to reach a host layer", cu::stream::synchronize(cs))?;
+        }
+        // The buffer is page-aligned, holds at least `n` f32 (checked above) and nothing else
+        // touches it while the stream is idle on it.
+        let x = unsafe { std::slice::from_raw_parts_mut(host.rows.ptr as *mut f32, n) };
+        let done = if buf == Buf::X { host.engine.layer_step(layer as usize, x, pos) } else { host.engine.layer_prompt(layer as usize, x, pos) };
+        done.map_err(|e| CudaError::Host { layer, err: e.to_string() })?;
+        unsafe { drv("copying rows back from a host layer", cusys::cuMemcpyHtoDAsync_v2(dev, host.rows.ptr as *const c_void, n * 4, cs).result()) }
+    }
+
+    /// The decode step as launches, with the host layers computed by the CPU engine in place of
+    /// theirs, and the ring's copies around them as the graph would order them.
+    fn decode_with_host(&self, host: &mut HostPart) -> Result<(), CudaError> {
+        let decode = &self.spec.schedule.decode;
+        let mut after_host = false;
+        let mut step = |i: usize, waited: bool| -> Result<(), CudaError> {
+            if let Some((layer, first)) = host.at(i, true) {
+                if first {
+                    self.host_layer(host, layer, Buf::X, 1, self.pos)?;
+                }
+                after_host = true;
+                return Ok(());
+            }
+            // After a wait for a copy or the host's rows: an ordinary launch (see `capture`).
+            let pdl = self.stats.pdl && !waited && !after_host;
+            after_host = false;
+            self.launch(&decode[i], 1, pdl)
+        };
+        match &self.ring {
+            Some(r) => r.staged(&self.stream, decode.len(), &r.decode, step),
+            None => (0..decode.len()).try_for_each(|i| step(i, false)),
         }
     }
 
@@ -834,15 +955,22 @@ impl CudaEngine {
             let ids: Vec<i32> = chunk.iter().map(|&t| t as i32).collect();
             drv("writing prompt ids", unsafe { cu::memcpy_htod_async(self.buf(Buf::PToks), &ids, cs) }).map_err(Self::engine_err)?;
             let steps = &self.spec.schedule.prefill;
-            let run = |i: usize, _waited: bool| match &steps[i] {
-                Step::Kernel(l) => self.launch(l, chunk.len(), false),
-                Step::Gemm(g) => self.gemm(handle, g, chunk.len()),
+            let mut host = self.host.take();
+            let pos = self.pos;
+            let mut run = |i: usize, _waited: bool| match host.as_mut().and_then(|h| h.at(i, false).map(|at| (h, at))) {
+                Some((h, (layer, true))) => self.host_layer(h, layer, Buf::PX, chunk.len(), pos),
+                Some(_) => Ok(()),
+                None => match &steps[i] {
+                    Step::Kernel(l) => self.launch(l, chunk.len(), false),
+                    Step::Gemm(g) => self.gemm(handle, g, chunk.len()),
+                },
             };
-            match &self.ring {
-                Some(r) => r.staged(&self.stream, steps.len(), &r.prefill, run),
+            let ran = match &self.ring {
+                Some(r) => r.staged(&self.stream, steps.len(), &r.prefill, &mut run),
                 None => (0..steps.len()).try_for_each(|i| run(i, false)),
-            }
-            .map_err(Self::engine_err)?;
+            };
+            self.host = host;
+            ran.map_err(Self::engine_err)?;
             self.pos += chunk.len();
             self.set_pos(self.pos).map_err(Self::engine_err)?;
             last_rows = chunk.len();
@@ -880,7 +1008,14 @@ impl CudaEngine {
             let t = [token as i32];
             drv("writing the token", unsafe { cu::memcpy_htod_async(self.buf(Buf::Tok), &t, cs) }).map_err(Self::engine_err)?;
         }
-        drv("replaying the decode graph", unsafe { cu::graph::launch(self.graph, cs) }).map_err(Self::engine_err)?;
+        match self.host.take() {
+            Some(mut h) => {
+                let ran = self.decode_with_host(&mut h);
+                self.host = Some(h);
+                ran.map_err(Self::engine_err)?;
+            }
+            None => drv("replaying the decode graph", unsafe { cu::graph::launch(self.graph, cs) }).map_err(Self::engine_err)?,
+        }
         self.pos += 1;
         self.device_tok = None;
         Ok(())
@@ -1213,8 +1348,10 @@ impl Drop for CudaEngine {
     fn drop(&mut self) {
         unsafe {
             let _ = cu::stream::synchronize(self.stream.cu_stream());
-            let _ = cu::graph::exec_destroy(self.graph);
-            let _ = cu::graph::destroy(self.graph_def);
+            if !self.graph.is_null() {
+                let _ = cu::graph::exec_destroy(self.graph);
+                let _ = cu::graph::destroy(self.graph_def);
+            }
             let _ = cu::module::unload(self.module);
             if let Some(h) = self.blas {
                 let _ = blas::destroy_handle(h);
