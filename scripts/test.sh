@@ -15,3 +15,8 @@ bash scripts/emu/run_quant.sh smollm2_135m
 # down), bf16 and FP8, at smaller OLMoE shapes, on the CPU emulator against float64, with the
 # unchosen experts' weights unmapped.
 bash scripts/emu/run_moe.sh
+# Every kernel instance of the five real archs compiled by NVRTC for sm_90 as the runtime does
+# (NVRTC needs no GPU; the pinned wheel is cached): a template edit that does not compile fails
+# here rather than on the device. The tiny fixtures are left out: their head_dim of 16 is below
+# the attention kernels' one value per lane (32), so they run on the CPU engine only.
+NVRTC_LIB=$(bash scripts/fetch-nvrtc.sh) python3 scripts/emu/nvrtc_compile.py gemma3_270m llama3_2_1b olmoe_1b_7b smollm2_135m smollm3_3b
