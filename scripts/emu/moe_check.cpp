@@ -1,5 +1,5 @@
-// Harness appended to a rendered decode.cu by scripts/emu/run_moe.sh: the mixture-of-experts
-// kernels of one weight type (bf16, or FP8 e4m3 with f32 row scales under MOE_FP8) against a
+// Harness appended to a rendered decode.cu by scripts/emu/run_moe.sh: qk_norm_whole (check_qk_norm_whole),
+// and the mixture-of-experts kernels of one weight type (bf16, or FP8 e4m3 with f32 row scales under MOE_FP8) against a
 // float64 reference, with and without renormalised weights, over 1, 3 and 17 rows: moe_router and
 // moe_topk; the decode step's moe_gateup and moe_down (one row a block row, as decode runs them);
 // and prefill's grouped path: moe_group (the lists, exactly), moe_gateup_grouped, moe_down_grouped
@@ -158,8 +158,40 @@ static void check_experts(int rows, const std::vector<float>& x, const std::vect
     check_down("moe_down_grouped + moe_combine", gact, gres);
 }
 
+// qk_norm_whole (OLMoE's q/k norm over the whole projections, before RoPE) against float64: the
+// decode step's grid (1, 2, 1), q's block and k's, over one row, and prefill's (rows, 1, 1), a
+// block per row over both, over 3 rows; v and the row after the last must stay as they were.
+static void check_qk_norm_whole() {
+    for (const auto& [rows, parts] : {std::pair{1, 2}, std::pair{3, 1}}) {
+        std::vector<float> qkv((size_t)(rows + 1) * QKV_DIM), gq(Q_DIM), gk(KV_DIM);
+        for (auto& v : qkv) v = 3 * nd(rng);
+        for (auto& v : gq) v = 1 + 0.1f * nd(rng);
+        for (auto& v : gk) v = 1 + 0.1f * nd(rng);
+        const std::vector<float> in = qkv;
+        launch({(unsigned)rows, (unsigned)parts, 1}, 256, [&] { qk_norm_whole(qkv.data(), gq.data(), gk.data()); });
+        for (int r = 0; r <= rows; ++r) {
+            const float* x = &in[(size_t)r * QKV_DIM];
+            const float* got = &qkv[(size_t)r * QKV_DIM];
+            for (int part = 0; part < 2 && r < rows; ++part) {
+                const int off = part == 0 ? 0 : Q_DIM, n = part == 0 ? Q_DIM : KV_DIM;
+                const float* g = part == 0 ? gq.data() : gk.data();
+                double ss = 0, mag = 0;
+                for (int i = 0; i < n; ++i) ss += (double)x[off + i] * x[off + i];
+                const double inv = 1 / std::sqrt(ss / n + EPS);
+                for (int i = 0; i < n; ++i) mag = std::max(mag, std::fabs(x[off + i] * inv * g[i]));
+                for (int i = 0; i < n; ++i) cmp(part == 0 ? "qk_norm_whole q" : "qk_norm_whole k", r, i, got[off + i], x[off + i] * inv * g[i], mag);
+            }
+            const int from = r < rows ? Q_DIM + KV_DIM : 0;  // v, and all of the row after the last
+            for (int i = from; i < QKV_DIM; ++i) {
+                if (got[i] != x[i]) { printf("qk_norm_whole row %d [%d]: %g changed to %g (grid y %d)\n", r, i, x[i], got[i], parts); std::exit(1); }
+            }
+        }
+    }
+}
+
 int main() {
     signal(SIGSEGV, segv);
+    check_qk_norm_whole();
     // The router: every expert's row is read, so a plain tensor of the type.
     Experts router(1, EXPERTS, HIDDEN);
     router.open(0);
@@ -226,5 +258,5 @@ int main() {
     waitpid(pid, &status, 0);
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 1) { printf("the unmapped-expert guard did not fire\n"); return 1; }
     int opened = 0; for (int e = 0; e < EXPERTS; ++e) opened += gate.opened[e];
-    printf("%s moe kernels match (%d cases, each with only its route's experts mapped: %d of %d over all; 17 rows: up to %d rows on one expert, %d experts unchosen; worst rel %.2e)\n", TYPE, cases, opened, EXPERTS, most, unchosen, worst);
+    printf("qk_norm_whole matches (decode grid (1, 2, 1), prefill 3 rows); %s moe kernels match (%d cases, each with only its route's experts mapped: %d of %d over all; 17 rows: up to %d rows on one expert, %d experts unchosen; worst rel %.2e)\n", TYPE, cases, opened, EXPERTS, most, unchosen, worst);
 }

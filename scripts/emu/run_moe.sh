@@ -3,7 +3,8 @@
 # moe_router, moe_topk, the decode step's moe_gateup and moe_down, and prefill's grouped path
 # (moe_group, moe_gateup_grouped, moe_down_grouped, moe_combine) with bf16 and FP8 weights against
 # float64 over 1, 3 and 17 rows, weights plain and renormalised, the unchosen experts' rows
-# unmapped so that reading one is a segfault (scripts/emu/moe_check.cpp).
+# unmapped so that reading one is a segfault (scripts/emu/moe_check.cpp); and OLMoE's whole-projection
+# q/k norm (qk_norm_whole) in its decode grid (a block for q, one for k) and its prefill grid.
 # By default on OLMoE-1B-7B's description at smaller shapes (hidden 256, ffn 128, 16 experts, top 4;
 # rendered by `thin-codegen kernels`): the emulator runs a thread per CUDA thread, and the real
 # shapes take minutes per type. FULL=1 runs the real generated/olmoe_1b_7b kernels too (bf16).

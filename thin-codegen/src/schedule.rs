@@ -204,7 +204,8 @@ fn lower_layer(lp: &LayerPlan, d: &ShapeDims) -> Result<Out, Unsupported> {
     if let Some(wqn) = ops.take(whole_norm("q", d.q_dim())) {
         let wkn = ops.take(whole_norm("k", d.kv_dim())).ok_or_else(|| ops.refuse())?;
         let args = |b: Buf| vec![Arg::Buf(b), w(wqn), w(wkn)];
-        out.k("qk_norm_whole", (None, Grid::Fixed(1, 1, 1)), 256, args(Buf::Qkv));
+        // Decode: one block for q and one for k (blockIdx.y); prefill: a block per row, q then k.
+        out.k("qk_norm_whole", (None, Grid::Fixed(1, 2, 1)), 256, args(Buf::Qkv));
         out.pk("qk_norm_whole", (None, Grid::Rows), 256, args(Buf::PQkv));
     }
     let head_norm = |buf: &'static str| {

@@ -83,6 +83,7 @@ fn whole_projection_qk_norm_is_a_kernel_before_attention() {
     assert_eq!(kernels(&s)[1..7], layer);
     let norm = s.decode.iter().find(|l| l.kernel == "qk_norm_whole").unwrap();
     assert_eq!(norm.args, [Arg::Buf(Buf::Qkv), Arg::Weight(Role::AttnQNorm, Some(0)), Arg::Weight(Role::AttnKNorm, Some(0))]);
+    assert_eq!(norm.grid, Grid::Fixed(1, 2, 1), "decode: a block for q, one for k");
     let attn = s.decode.iter().find(|l| l.kernel == "attn_decode").unwrap();
     assert_eq!((attn.args[1], attn.args[2]), (Arg::Null, Arg::Null), "no per-head norm in attention");
     // Prefill: after the q/k/v GEMMs, before RoPE and the cache write, over every prompt row.
@@ -182,10 +183,13 @@ fn moe_down_reads_only_what_two_launches_back_wrote() {
         }
     }
     assert_eq!(seen, 16);
+    let at = |body: &str, what: &str| body.find(what).unwrap_or_else(|| panic!("{what} not in the kernel"));
     let body = kernel_body(&src, "moe_gateup_bf16");
-    assert!(body.contains("matvec<HIDDEN, TOP_K * FFN, 2, false>"), "moe_gateup waits before its first rows");
+    assert!(body.contains("matvec<HIDDEN, TOP_K * FFN, 2, false>"), "moe_gateup leaves the wait to itself");
+    assert!(at(body, "pdl_enter()") < at(body, "load_route("), "moe_gateup waits before it reads the route");
     let down = kernel_body(&src, "moe_down_bf16");
-    assert!(down.contains("matvec<FFN, HIDDEN, TOP_K, true, FFN>"), "moe_down loads its first rows early, each expert's row against its own activation");
+    assert!(at(down, "load_route(") < at(down, "pdl_enter()"), "moe_down reads the route before its wait");
+    assert!(at(down, "load_row<FFN, TOP_K>") < at(down, "pdl_enter()"), "moe_down loads its first rows early");
     assert!(src.contains("constexpr int EXPERTS = 64;") && src.contains("constexpr int TOP_K = 8;"));
 }
 
