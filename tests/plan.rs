@@ -192,6 +192,16 @@ fn gpu_mem_and_residency_refuse_hostile_values() {
             assert!(err.contains("--residency") && err.contains("all, stream, auto or hybrid"), "{cmd:?} {flag}: {err}");
         }
     }
+    // plan's rates: a positive, finite number of GB/s.
+    for flag in ["--link-gb-s", "--host-gb-s"] {
+        for bad in ["0", "-1", "NaN", "inf", "", "50GB/s", "1e400"] {
+            let arg = format!("{flag}={bad}");
+            let o = thin(&["plan", "missing.thin", &arg]);
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(o.status.code(), Some(2), "{arg}: {err}");
+            assert!(err.contains(flag) && err.contains("not a positive number of GB/s"), "{arg}: {err}");
+        }
+    }
 }
 
 // The real decode and prefill schedules of every CUDA arch compiled into the tests can stage any
