@@ -373,3 +373,66 @@ fn every_scheduled_kernel_waits_for_its_predecessor() {
         }
     }
 }
+
+/// `--residency hybrid` replaces a layer's launches and prefill steps (`Schedule::layers`) with
+/// the CPU engine's layer, so each range must be that layer alone: its launches and steps read
+/// only that layer's weights and KV cache, the ranges follow one another in layer order with the
+/// prologue before and the epilogue after, and nothing outside them reads a layer's weight or
+/// cache. (The residual X / PX is the state that crosses; the device tests compare the outputs.)
+#[test]
+fn each_layers_steps_read_only_that_layer() {
+    fn layer_of_buf(b: Buf) -> Option<usize> {
+        match b {
+            Buf::KCache(l) | Buf::VCache(l) => Some(l),
+            _ => None,
+        }
+    }
+    fn reads(args: &[Arg]) -> (Vec<Option<u32>>, Vec<usize>) {
+        let weights = args.iter().filter_map(|a| match *a {
+            Arg::Weight(_, l) => Some(l),
+            _ => None,
+        });
+        let caches = args.iter().filter_map(|a| match *a {
+            Arg::Buf(b) => layer_of_buf(b),
+            _ => None,
+        });
+        (weights.collect(), caches.collect())
+    }
+    fn step_reads(s: &Step) -> (Vec<Option<u32>>, Vec<usize>) {
+        match s {
+            Step::Kernel(l) => reads(&l.args),
+            Step::Gemm(g) => (vec![g.weight.1], [g.input, g.out].into_iter().filter_map(layer_of_buf).collect()),
+        }
+    }
+    for file in ["archs/smollm2-135m.toml", "archs/llama3.2-1b.toml", "archs/smollm3-3b.toml", "archs/gemma3-270m.toml", "archs/olmoe-1b-7b.toml", "archs/tiny/gemma3-tiny.toml"] {
+        let s = schedule_of(file, |t| t).unwrap();
+        let n = s.layers.len();
+        assert!(n >= 2, "{file}: {n} layers");
+        let (first, last) = (s.layers[0].clone(), s.layers[n - 1].clone());
+        assert_eq!(last.decode.end, s.decode.len() - s.epilogue.len(), "{file}: the epilogue follows the last layer");
+        assert_eq!(last.prefill.end, s.prefill.len(), "{file}: prefill ends with the last layer");
+        for (l, r) in s.layers.iter().enumerate() {
+            assert!(!r.decode.is_empty() && !r.prefill.is_empty(), "{file}: layer {l} has launches and steps");
+            if l > 0 {
+                assert_eq!((r.decode.start, r.prefill.start), (s.layers[l - 1].decode.end, s.layers[l - 1].prefill.end), "{file}: layer {l} follows layer {}", l - 1);
+            }
+            for i in r.decode.clone() {
+                let (w, c) = reads(&s.decode[i].args);
+                assert!(w.iter().all(|&x| x == Some(l as u32)) && c.iter().all(|&x| x == l), "{file}: decode launch {i} ({}) of layer {l} reads {w:?} {c:?}", s.decode[i].kernel);
+            }
+            for i in r.prefill.clone() {
+                let (w, c) = step_reads(&s.prefill[i]);
+                assert!(w.iter().all(|&x| x == Some(l as u32)) && c.iter().all(|&x| x == l), "{file}: prefill step {i} of layer {l} reads {w:?} {c:?}");
+            }
+        }
+        let outside_decode = (0..first.decode.start).chain(last.decode.end..s.decode.len());
+        for i in outside_decode {
+            let (w, c) = reads(&s.decode[i].args);
+            assert!(w.iter().all(|x| x.is_none()) && c.is_empty(), "{file}: decode launch {i} ({}) outside the layers reads {w:?} {c:?}", s.decode[i].kernel);
+        }
+        for i in 0..first.prefill.start {
+            let (w, c) = step_reads(&s.prefill[i]);
+            assert!(w.iter().all(|x| x.is_none()) && c.is_empty(), "{file}: prefill step {i} before the layers reads {w:?} {c:?}");
+        }
+    }
+}
