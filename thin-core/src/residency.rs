@@ -769,15 +769,12 @@ impl ResidencyPlan {
         let _ = writeln!(s, "decision: {decision}");
         if let (Some(h), Some(b)) = (self.host_rate, self.bound_tok_s) {
             if !self.host_layers.is_empty() {
-                let _ = writeln!(
-                    s,
-                    "on the CPU per token: {}; with the link's {} the bound is {:.1} tok/s (CPU engine {:.1} GB/s, {})",
-                    show(self.host_bytes_per_token),
-                    show(self.streamed_bytes_per_token),
-                    b,
-                    h.gb_s,
-                    h.source.label()
-                );
+                let link = if self.streamed_bytes_per_token == 0 {
+                    String::new()
+                } else {
+                    format!("; streamed per token {} at {:.1} GB/s host link ({}), at the same time", show(self.streamed_bytes_per_token), self.link.gb_s, self.link.source.label())
+                };
+                let _ = writeln!(s, "on the CPU per token: {} at {:.1} GB/s ({}){link}; bound {b:.1} tok/s", show(self.host_bytes_per_token), h.gb_s, h.source.label());
             }
         }
         if let (Some(b), true) = (self.bound_tok_s, self.host_layers.is_empty()) {
