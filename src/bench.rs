@@ -127,13 +127,12 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     let roofline = copy.map(|c| c * 1e9 / weight_bytes_per_token as f64);
     // Streaming: the host link measured now with the engine's own copies, and the decode rate
     // against the bound it sets (streamed bytes a token over that rate).
-    let streamed_bytes = session_streamed_bytes(plan.as_ref());
+    let streamed_bytes = plan_u64(plan.as_ref(), "streamed_bytes_per_token");
     let link_gbps = if streamed_bytes > 0 { e.host_link_gb_s() } else { None };
     let link_bound = link_gbps.map(|g| g * 1e9 / streamed_bytes as f64);
     // Hybrid: the CPU engine's layers beside the streamed ones. The CPU's rate is the one the plan
     // measured at load; the link's is measured now. The step takes the longer of the two.
-    let plan_u64 = |k: &str| plan.as_ref().and_then(|p| p.get(k)).and_then(|v| v.as_u64()).unwrap_or(0);
-    let host_bytes = plan_u64("host_bytes_per_token");
+    let host_bytes = plan_u64(plan.as_ref(), "host_bytes_per_token");
     let host_gb_s = plan.as_ref().and_then(|p| p["host_rate"]["gb_s"].as_f64()).filter(|_| host_bytes > 0);
     let hybrid_bound = host_gb_s.map(|h| {
         let link_s = link_gbps.map_or(0.0, |g| streamed_bytes as f64 / (g * 1e9));
@@ -217,9 +216,10 @@ pub fn bench(file: &Path, opts: &BenchOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Bytes the plan streams a token (0: all resident, or no plan on the CPU).
-fn session_streamed_bytes(plan: Option<&serde_json::Value>) -> u64 {
-    plan.and_then(|p| p["streamed_bytes_per_token"].as_u64()).unwrap_or(0)
+/// A byte count of the plan (`streamed_bytes_per_token`, `host_bytes_per_token`): 0 when the
+/// plan has none, or there is no plan (the CPU backend).
+fn plan_u64(plan: Option<&serde_json::Value>, key: &str) -> u64 {
+    plan.and_then(|p| p[key].as_u64()).unwrap_or(0)
 }
 
 /// Teacher-forced logits: prefill `ids[..prompt_len]`, then feed each following id; writes one

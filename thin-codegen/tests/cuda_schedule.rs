@@ -381,19 +381,13 @@ fn every_scheduled_kernel_waits_for_its_predecessor() {
 /// cache. (The residual X / PX is the state that crosses; the device tests compare the outputs.)
 #[test]
 fn each_layers_steps_read_only_that_layer() {
-    fn layer_of_buf(b: Buf) -> Option<usize> {
-        match b {
-            Buf::KCache(l) | Buf::VCache(l) => Some(l),
-            _ => None,
-        }
-    }
     fn reads(args: &[Arg]) -> (Vec<Option<u32>>, Vec<usize>) {
         let weights = args.iter().filter_map(|a| match *a {
             Arg::Weight(_, l) => Some(l),
             _ => None,
         });
         let caches = args.iter().filter_map(|a| match *a {
-            Arg::Buf(b) => layer_of_buf(b),
+            Arg::Buf(b) => b.kv_layer(),
             _ => None,
         });
         (weights.collect(), caches.collect())
@@ -401,7 +395,7 @@ fn each_layers_steps_read_only_that_layer() {
     fn step_reads(s: &Step) -> (Vec<Option<u32>>, Vec<usize>) {
         match s {
             Step::Kernel(l) => reads(&l.args),
-            Step::Gemm(g) => (vec![g.weight.1], [g.input, g.out].into_iter().filter_map(layer_of_buf).collect()),
+            Step::Gemm(g) => (vec![g.weight.1], [g.input, g.out].into_iter().filter_map(Buf::kv_layer).collect()),
         }
     }
     for file in ["archs/smollm2-135m.toml", "archs/llama3.2-1b.toml", "archs/smollm3-3b.toml", "archs/gemma3-270m.toml", "archs/olmoe-1b-7b.toml", "archs/tiny/gemma3-tiny.toml"] {

@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::cuda::plan::{device_len, Buf, Layout, ALIGN};
+use crate::cuda::plan::{device_len, Layout, ALIGN};
 use crate::manifest::{Manifest, TensorEntry};
 use crate::role::Role;
 
@@ -155,13 +155,13 @@ impl Demand {
                 Ok(WeightSpan { role, layer, bytes: device_len_aligned(t), first_page: t.first_page, page_count: t.page_count })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let kv = layout.kv_bytes() as u64;
         let mut kv_by_layer = BTreeMap::new();
         for (b, _, n) in layout.regions() {
-            if let Buf::KCache(l) | Buf::VCache(l) = b {
+            if let Some(l) = b.kv_layer() {
                 *kv_by_layer.entry(l as u32).or_insert(0) += n as u64;
             }
         }
+        let kv: u64 = kv_by_layer.values().sum();
         Ok(Demand {
             ctx: layout.ctx,
             weights,
@@ -526,8 +526,18 @@ pub fn plan_with_host(d: &Demand, budget: Budget, link: Link, host: HostRate, re
         split
     };
     let all_resident = fixed + total;
+    // The plan that needs least in this mode (among equals, the most resident layers): streaming,
+    // every k with the rest through the ring (layers of one size and more than RING_SLOTS of them:
+    // every layer streamed; with fewer, all resident); hybrid, every layer on the CPU.
+    let (min_k, min_split) = if residency == Residency::Hybrid {
+        (0, Split { streamed: Vec::new(), host: ids.clone() })
+    } else {
+        let k = (0..=n).rev().min_by_key(|&k| need(k, &streamed_from(k)).0).unwrap_or(0);
+        (k, streamed_from(k))
+    };
+    let min_need = need(min_k, &min_split).0;
     let build = |decision, k: usize, split: Split| {
-        let (device, slot) = if k == n { (all_resident, 0) } else { need(k, &split) };
+        let (device, slot) = need(k, &split);
         let Split { streamed, host: host_layers } = split;
         let streamed_bytes: u64 = streamed.iter().map(|&l| size_of(l)).sum();
         let host_bytes: u64 = host_layers.iter().map(|&l| size_of(l)).sum();
@@ -588,23 +598,9 @@ pub fn plan_with_host(d: &Demand, budget: Budget, link: Link, host: HostRate, re
             host_rate: (residency == Residency::Hybrid).then_some(host),
             bound_tok_s: bound,
             all_resident_bytes: all_resident,
-            min_stream_bytes: 0,
+            min_stream_bytes: min_need,
             tensors,
         }
-    };
-    // The plan that needs least in this mode (among equals, the most resident layers): streaming,
-    // every k with the rest through the ring (layers of one size and more than RING_SLOTS of them:
-    // every layer streamed; with fewer, all resident); hybrid, every layer on the CPU.
-    let (min_k, min_split) = if residency == Residency::Hybrid {
-        (0, Split { streamed: Vec::new(), host: ids.clone() })
-    } else {
-        let k = (0..=n).rev().min_by_key(|&k| if k == n { all_resident } else { need(k, &streamed_from(k)).0 }).unwrap_or(0);
-        (k, if k == n { Split::default() } else { streamed_from(k) })
-    };
-    let min_need = if min_k == n { all_resident } else { need(min_k, &min_split).0 };
-    let with_min = |mut p: ResidencyPlan| {
-        p.min_stream_bytes = min_need;
-        p
     };
     let decision_of = |split: &Split| match (split.streamed.is_empty(), split.host.is_empty()) {
         (true, true) => Decision::AllResident,
@@ -612,13 +608,13 @@ pub fn plan_with_host(d: &Demand, budget: Budget, link: Link, host: HostRate, re
         (false, true) => Decision::Stream,
     };
     let Some(avail) = budget.bytes_for(residency) else {
-        return Ok(with_min(build(Decision::BudgetUnknown, n, Split::default())));
+        return Ok(build(Decision::BudgetUnknown, n, Split::default()));
     };
     if all_resident <= avail {
-        return Ok(with_min(build(Decision::AllResident, n, Split::default())));
+        return Ok(build(Decision::AllResident, n, Split::default()));
     }
     if residency == Residency::All {
-        return Err(ResidencyError::DoesNotFit { plan: Box::new(with_min(build(Decision::AllResident, n, Split::default()))), min_gpu_mem: all_resident, residency });
+        return Err(ResidencyError::DoesNotFit { plan: Box::new(build(Decision::AllResident, n, Split::default())), min_gpu_mem: all_resident, residency });
     }
     let chosen = if residency == Residency::Hybrid {
         // Every resident count, each with the rest on the CPU alone and split with the link.
@@ -640,9 +636,9 @@ pub fn plan_with_host(d: &Demand, budget: Budget, link: Link, host: HostRate, re
         (0..n).rev().find(|&k| need(k, &streamed_from(k)).0 <= avail).map(|k| (k, streamed_from(k)))
     };
     match chosen {
-        Some((k, split)) => Ok(with_min(build(decision_of(&split), k, split))),
+        Some((k, split)) => Ok(build(decision_of(&split), k, split)),
         None => {
-            let plan = with_min(build(decision_of(&min_split), min_k, min_split));
+            let plan = build(decision_of(&min_split), min_k, min_split);
             Err(ResidencyError::DoesNotFit { plan: Box::new(plan), min_gpu_mem: min_need, residency })
         }
     }

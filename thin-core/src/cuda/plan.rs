@@ -292,6 +292,16 @@ pub enum Buf {
     PMoeDown,
 }
 
+impl Buf {
+    /// The layer whose KV cache this is (K or V), if it is one.
+    pub fn kv_layer(self) -> Option<usize> {
+        match self {
+            Buf::KCache(l) | Buf::VCache(l) => Some(l),
+            _ => None,
+        }
+    }
+}
+
 /// A launch's grid as the schedule states it; [`Layout::grid`] resolves it for the machine (its
 /// multiprocessor count), the layout (attention splits) and a prefill pass's rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -530,10 +540,8 @@ impl Layout {
         let mut regions = BTreeMap::new();
         let mut off = 0;
         for (&b, &(_, n)) in &self.regions {
-            if let Buf::KCache(l) | Buf::VCache(l) = b {
-                if layers.contains(&(l as u32)) {
-                    continue;
-                }
+            if b.kv_layer().is_some_and(|l| layers.contains(&(l as u32))) {
+                continue;
             }
             regions.insert(b, (off, n));
             off += align(n);
@@ -543,7 +551,7 @@ impl Layout {
 
     /// Bytes of the KV cache alone.
     pub fn kv_bytes(&self) -> usize {
-        self.regions.iter().filter(|(b, _)| matches!(b, Buf::KCache(_) | Buf::VCache(_))).map(|(_, (_, n))| *n).sum()
+        self.regions.iter().filter(|(b, _)| b.kv_layer().is_some()).map(|(_, (_, n))| *n).sum()
     }
 
     /// The storage type of a weight the schedule reads.

@@ -28,7 +28,7 @@ use cudarc::cublas::{result as blas, sys as blassys};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtcsys};
 
 pub use super::CudaOptions;
-use super::plan::{self, Arg, Buf, CudaArch, Gemm, Launch, Layout, RingUse, RopeTable, Step};
+use super::plan::{self, Arg, Buf, CudaArch, Gemm, LayerSteps, Launch, Layout, RingUse, RopeTable, Step};
 use crate::residency::{ring_layout, StreamedLayer, WeightSpan, RING_SLOTS};
 use crate::dtype::DType;
 use crate::engine::{EngineError, HostLayers};
@@ -219,8 +219,8 @@ impl Drop for Ring {
 /// prefill steps, which it replaces), and the page-locked rows the residual stream crosses in.
 struct HostPart {
     engine: Box<dyn HostLayers + Send>,
-    /// (layer, its decode launches, its prefill steps).
-    layers: Vec<(u32, std::ops::Range<usize>, std::ops::Range<usize>)>,
+    /// Each host layer with its decode launches and prefill steps.
+    layers: Vec<(u32, LayerSteps)>,
     /// `[prefill_rows, hidden]` f32.
     rows: PinnedBuffer,
 }
@@ -229,8 +229,8 @@ impl HostPart {
     /// The host layer whose decode launches (`decode`) or prefill steps hold step `i`, and
     /// whether `i` is its first.
     fn at(&self, i: usize, decode: bool) -> Option<(u32, bool)> {
-        self.layers.iter().find_map(|(l, d, p)| {
-            let r = if decode { d } else { p };
+        self.layers.iter().find_map(|(l, steps)| {
+            let r = if decode { &steps.decode } else { &steps.prefill };
             r.contains(&i).then_some((*l, i == r.start))
         })
     }
@@ -717,7 +717,7 @@ impl CudaEngine {
 
         let host = match host_engine {
             Some(engine) => {
-                let layers = opts.host_layers.iter().map(|&l| (l, arch.schedule.layers[l as usize].decode.clone(), arch.schedule.layers[l as usize].prefill.clone())).collect();
+                let layers = opts.host_layers.iter().map(|&l| (l, arch.schedule.layers[l as usize].clone())).collect();
                 stats.host_layers = opts.host_layers.clone();
                 Some(HostPart { engine, layers, rows: PinnedBuffer::new(layout.prefill_rows * arch.dims.hidden_size as usize * 4)? })
             }
